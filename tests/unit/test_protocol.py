@@ -1,0 +1,195 @@
+"""Every wire message round-trips; bad frames raise typed errors; the decoder survives."""
+
+from __future__ import annotations
+
+import contextlib
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.model_card import ModelCard
+from shared.protocol import (
+    MAGIC,
+    PROTOCOL_VERSION,
+    Abort,
+    BadFrame,
+    ClientHeartbeat,
+    Deltas,
+    Encoder,
+    FrameTooLarge,
+    Generate,
+    Heartbeat,
+    Hello,
+    ProtocolError,
+    Rejected,
+    RenderMessageDecoder,
+    RequestDelta,
+    TokenLogprobs,
+    VersionMismatch,
+    Welcome,
+    WorkerMessageDecoder,
+    WorkerStats,
+)
+from shared.sampling import SamplingParams
+
+CARD = ModelCard(
+    model_id="SmolLM2-135M-Instruct",
+    tokenizer_digest="ab" * 32,
+    vocab_size=49152,
+    eos_token_ids=[2],
+    bos_token_id=1,
+    max_model_len=8192,
+)
+
+RENDER_MESSAGES = [
+    Hello(client_id="render-1"),
+    Generate(
+        request_id="req-1",
+        prompt_token_ids=[1, 2, 3],
+        sampling=SamplingParams(
+            temperature=0.7,
+            top_p=0.9,
+            top_k=40,
+            seed=-5,
+            max_tokens=32,
+            stop_token_ids=[7],
+            logprobs=3,
+            logit_bias={5: -100.0},
+        ),
+        priority=2,
+        cache_salt="tenant-a",
+        arrival_time=12.5,
+    ),
+    Abort(request_ids=["req-1", "req-2"]),
+    ClientHeartbeat(sent_at=1.0),
+]
+
+WORKER_MESSAGES = [
+    Welcome(worker_id="w0", model_card=CARD),
+    Deltas(
+        deltas=[
+            RequestDelta("req-1", [4, 5]),
+            RequestDelta(
+                "req-2",
+                [9],
+                finish_reason="stop",
+                stop_token_id=2,
+                num_prompt_tokens=30,
+                num_cached_tokens=16,
+                logprobs=[TokenLogprobs(-0.5, 2, [8, 9], [-0.4, -0.5])],
+            ),
+        ],
+        step=7,
+    ),
+    Heartbeat(sent_at=3.0, stats=WorkerStats(num_running=1, kv_blocks_total=100)),
+    Rejected(request_id="req-3", code="too_long", message="prompt is 9000 tokens"),
+]
+
+
+@pytest.mark.parametrize("message", RENDER_MESSAGES, ids=lambda m: type(m).__name__)
+def test_render_messages_round_trip(message: object) -> None:
+    frame = Encoder().encode(message)
+    assert RenderMessageDecoder().decode(frame) == message
+
+
+@pytest.mark.parametrize("message", WORKER_MESSAGES, ids=lambda m: type(m).__name__)
+def test_worker_messages_round_trip(message: object) -> None:
+    frame = Encoder().encode(message)
+    assert WorkerMessageDecoder().decode(frame) == message
+
+
+def test_a_direction_refuses_the_other_directions_messages() -> None:
+    frame = Encoder().encode(WORKER_MESSAGES[0])
+    with pytest.raises(BadFrame):
+        RenderMessageDecoder().decode(frame)
+
+
+def _body(message: object) -> bytes:
+    return msgspec.msgpack.encode(message)
+
+
+@pytest.mark.parametrize(
+    ("frame", "error"),
+    [
+        (b"", BadFrame),
+        (b"D", BadFrame),
+        (b"garbage-bytes", BadFrame),
+        (MAGIC + bytes([PROTOCOL_VERSION]), BadFrame),
+        (MAGIC + bytes([PROTOCOL_VERSION]) + b"\xc1", BadFrame),
+        (MAGIC + bytes([PROTOCOL_VERSION + 1]) + _body(Hello()), VersionMismatch),
+        (MAGIC + bytes([0]) + _body(Hello()), VersionMismatch),
+    ],
+)
+def test_bad_frames_raise_typed_errors(frame: bytes, error: type[ProtocolError]) -> None:
+    decoder = RenderMessageDecoder()
+    with pytest.raises(error):
+        decoder.decode(frame)
+    # the same decoder keeps working
+    assert decoder.decode(Encoder().encode(Hello())) == Hello()
+
+
+def test_truncated_frames_raise() -> None:
+    frame = Encoder().encode(RENDER_MESSAGES[1])
+    decoder = RenderMessageDecoder()
+    for cut in range(len(frame)):
+        with pytest.raises(ProtocolError):
+            decoder.decode(frame[:cut])
+    assert decoder.decode(frame) == RENDER_MESSAGES[1]
+
+
+def test_oversized_frame_raises() -> None:
+    decoder = RenderMessageDecoder(max_frame_bytes=1024)
+    big = Generate(request_id="x", prompt_token_ids=[1] * 2000, sampling=SamplingParams())
+    with pytest.raises(FrameTooLarge):
+        decoder.decode(Encoder().encode(big))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"type": "generate", "request_id": "a", "prompt_token_ids": [-1], "sampling": {}},
+        {"type": "generate", "request_id": "a", "prompt_token_ids": [], "sampling": {}},
+        {"type": "generate", "request_id": "", "prompt_token_ids": [1], "sampling": {}},
+        {"type": "generate", "request_id": "a", "prompt_token_ids": [1], "sampling": {"n": 2}},
+        {
+            "type": "generate",
+            "request_id": "a",
+            "prompt_token_ids": [1],
+            "sampling": {"temperature": -1.0},
+        },
+        {
+            "type": "generate",
+            "request_id": "a",
+            "prompt_token_ids": [1],
+            "sampling": {"max_tokens": 0},
+        },
+        {"type": "hello", "protocol_version": 1, "evil": True},
+        {"type": "no_such_message"},
+        {"type": "abort", "request_ids": "not-a-list"},
+        ["not", "a", "map"],
+    ],
+)
+def test_out_of_range_or_unknown_content_is_refused(body: object) -> None:
+    frame = MAGIC + bytes([PROTOCOL_VERSION]) + msgspec.msgpack.encode(body)
+    with pytest.raises(BadFrame):
+        RenderMessageDecoder().decode(frame)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_random_bytes_never_escape_as_other_errors(data: bytes) -> None:
+    decoder = RenderMessageDecoder()
+    for frame in (data, MAGIC + bytes([PROTOCOL_VERSION]) + data):
+        with contextlib.suppress(ProtocolError):
+            decoder.decode(frame)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(min_value=0), st.integers(min_value=0, max_value=255))
+def test_mutated_frames_never_escape_as_other_errors(position: int, byte: int) -> None:
+    frame = bytearray(Encoder().encode(RENDER_MESSAGES[1]))
+    frame[position % len(frame)] = byte
+    with contextlib.suppress(ProtocolError):
+        RenderMessageDecoder().decode(bytes(frame))

@@ -154,6 +154,8 @@ class WorkerStats(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     gpu_memory_total_bytes: int | None = None
     gpu_utilization: float | None = None
     steps: int = 0
+    bad_frames: int = 0
+    """Frames the worker could not decode since it started."""
 
 
 class Heartbeat(_Message, tag="heartbeat", kw_only=True):

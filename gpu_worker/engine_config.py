@@ -1,0 +1,47 @@
+"""EngineConfig: everything the engine is built from, as the CLI or Python caller gives it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from shared.model_source import DEFAULT_MODEL
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Arguments of `Engine(...)` and flags of `gpu-worker`; sizes resolved at startup."""
+
+    model: str = DEFAULT_MODEL
+    """Built-in name, `.gguf` file or HF directory."""
+    served_model_name: str | None = None
+    """Model id reported to clients; defaults to the model's name."""
+    device: str = "auto"
+    """auto, cuda, cuda:N or cpu."""
+    dtype: str = "auto"
+    """auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16 or float16."""
+    block_size: int = 16
+    """Tokens per KV cache block."""
+    max_num_seqs: int = 256
+    """Most sequences in one batch."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (decodes plus prefill chunks)."""
+    max_model_len: int | None = None
+    """Longest prompt plus output; defaults to the model's context length."""
+    kv_cache_memory_gb: float | None = None
+    """KV cache size; on CPU defaults to 1 GiB, on CUDA sized from free memory."""
+    gpu_memory_utilization: float = 0.9
+    """Share of GPU memory the worker may use in all (weights, cache, activations)."""
+    attention_backend: str = "auto"
+    """auto (triton on CUDA, torch on CPU), torch or triton."""
+    enable_prefix_caching: bool = True
+    """Share full KV blocks between requests with the same prefix."""
+    max_waiting: int = 4096
+    """Requests queued beyond this are rejected with `queue_full`."""
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine arguments: {', '.join(unknown)}")
+        return cls(**kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,120 @@
+"""Per-request state on the worker: tokens, progress, blocks and how it ended.
+
+Token accounting is unified, as in vLLM v1: a sequence has `num_tokens` known tokens of
+which the first `num_computed_tokens` have KV in the cache. Prefill, chunked prefill,
+decode and recompute after preemption are all "compute the next few uncomputed tokens".
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from shared.hashing import BlockHash, hash_block, prefix_block_hashes, root_hash
+from shared.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is in its life; the FINISHED_* ones are final."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    """Back in the waiting queue with its blocks freed; it recomputes when readmitted."""
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+
+class FinishReason(enum.StrEnum):
+    """Why a sequence ended, spelled as the OpenAI API's `finish_reason`."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+_FINISHED_STATUS = {
+    FinishReason.STOP: SequenceStatus.FINISHED_STOPPED,
+    FinishReason.LENGTH: SequenceStatus.FINISHED_LENGTH,
+    FinishReason.ABORT: SequenceStatus.FINISHED_ABORTED,
+}
+
+
+@dataclass(eq=False)  # identity semantics: sequences live in queues and are removed by identity
+class Sequence:
+    """One request being generated: its tokens, its KV blocks and its progress."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    cache_salt: str | None = None
+    """Per-tenant salt mixed into the block hashes, so tenants never share cached blocks."""
+    priority: int = 0
+    """Carried from the request; the FCFS scheduler does not reorder by it yet."""
+    arrival_time: float = field(default_factory=time.time)
+    block_size: int = 16
+    """Must equal the KV cache's block size: it decides which blocks get hashed."""
+
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    """Tokens whose KV is in the cache; the next step computes from here."""
+    num_cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache when first scheduled (reported to clients)."""
+    num_preemptions: int = 0
+    block_table: list[int] = field(default_factory=list)
+    """Block ids holding this sequence's KV, in token order."""
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+    """The `stop_token_ids` entry that ended it (the API's `stop_reason`); None for EOS."""
+
+    output_token_ids: list[int] = field(init=False, default_factory=list)
+    all_token_ids: list[int] = field(init=False)
+    """Prompt then output in one list, appended in place so the hot path never concatenates."""
+    block_hashes: list[BlockHash] = field(init=False)
+    """Chained hashes of every full block of `all_token_ids`, extended as blocks fill."""
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.block_hashes = prefix_block_hashes(
+            self.all_token_ids, self.block_size, self.cache_salt
+        )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.all_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append_token(self, token_id: int) -> None:
+        """Add one generated token; hash the last block if this token filled it."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        num_tokens = len(self.all_token_ids)
+        if num_tokens % self.block_size == 0:
+            # Only the block just filled is hashed: its parent's hash is already known.
+            parent = self.block_hashes[-1] if self.block_hashes else root_hash(self.cache_salt)
+            self.block_hashes.append(
+                hash_block(parent, self.all_token_ids[num_tokens - self.block_size :])
+            )
+
+    def finish(self, reason: FinishReason, stop_token_id: int | None = None) -> None:
+        """Mark the sequence done; the scheduler frees its blocks."""
+        self.finish_reason = reason
+        self.stop_token_id = stop_token_id
+        self.status = _FINISHED_STATUS[reason]

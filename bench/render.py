@@ -22,10 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
-from render_server.chat_template import ChatRenderer
-from render_server.tokenizer import Tokenizer
 from results_md import write_section
 
+from render_server.chat_template import ChatRenderer
+from render_server.tokenizer import Tokenizer
 from shared.model_source import DEFAULT_MODEL, resolve_model
 
 CHAT = [

@@ -10,29 +10,35 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
+from typing import Any
 
 from shared.model_source import ModelSource
 
 
-def _gguf_tokenizer_fields(path: Path) -> dict[str, object]:
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    return {
-        name: field.contents()
-        for name, field in reader.fields.items()
+def digest_gguf_metadata(metadata: dict[str, Any]) -> str:
+    """Digest of a GGUF file's `tokenizer.*` fields (all metadata may be passed)."""
+    fields = {
+        name: value
+        for name, value in metadata.items()
         if name.startswith("tokenizer.") and name != "tokenizer.chat_template"
     }
+    canonical = json.dumps(fields, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def digest_tokenizer_json(content: bytes) -> str:
+    """Digest of an HF directory's `tokenizer.json` bytes."""
+    return hashlib.sha256(content).hexdigest()
 
 
 def tokenizer_digest(source: ModelSource) -> str:
     """Hex SHA-256 identifying the model's vocabulary and special tokens."""
     if source.kind == "gguf":
-        fields = _gguf_tokenizer_fields(source.path)
-        canonical = json.dumps(fields, sort_keys=True, ensure_ascii=False)
-        return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+        import gguf
+
+        reader = gguf.GGUFReader(source.path)
+        return digest_gguf_metadata({n: f.contents() for n, f in reader.fields.items()})
     tokenizer_json = source.path / "tokenizer.json"
     if not tokenizer_json.is_file():
         raise FileNotFoundError(f"{source.path} has no tokenizer.json")
-    return hashlib.sha256(tokenizer_json.read_bytes()).hexdigest()
+    return digest_tokenizer_json(tokenizer_json.read_bytes())

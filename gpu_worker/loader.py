@@ -1,0 +1,292 @@
+"""Load a model's config and weights from an HF safetensors directory or a GGUF file.
+
+Both sources are turned into one `ModelConfig` and a stream of HF-named tensors, which the
+model copies into its (fused) parameters. GGUF tensors are dequantized to fp32 with the
+`gguf` package, and llama.cpp's Q/K row permutation is undone so that every model uses HF's
+rotate_half rotary convention.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf.gguf_reader import ReaderTensor
+from safetensors import safe_open
+from torch import nn
+
+from gpu_worker.attention import AttentionBackend, TorchAttentionBackend
+from gpu_worker.models import get_model_class
+from shared.model_source import ModelSource
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """llama3-style rope scaling (the only kind the Llama family here needs)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a decoder-only model, whatever file it came from."""
+
+    architecture: str
+    """HF class name (`LlamaForCausalLM`) or GGUF architecture (`llama`, `qwen2`)."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: RopeScaling | None = None
+    """llama3 rope scaling from config.json; None for plain rope."""
+    rope_freq_factors: tuple[float, ...] | None = None
+    """Per-pair rope divisors from a GGUF `rope_freqs` tensor (llama.cpp's llama3 scaling)."""
+    attention_bias: bool = False
+    """Bias on the q/k/v projections (Qwen2)."""
+    attention_out_bias: bool = False
+    """Bias on the output projection (Llama with `attention_bias: true`)."""
+    sliding_window: int | None = None
+    """Mistral v0.1's window; not applied by attention, so the engine caps max_model_len."""
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+
+_MODEL_TYPE_TO_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+
+
+def _ids(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (value,)
+
+
+def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    """ModelConfig from a config.json dict (transformers 4.x `rope_scaling` or 5.x
+    `rope_parameters`)."""
+    arch = (cfg.get("architectures") or [_MODEL_TYPE_TO_ARCH.get(cfg.get("model_type", ""), "")])[0]
+    if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias", False):
+        raise NotImplementedError(f"{arch}: only bias-free SiLU MLPs are supported")
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    scaling = None
+    if rope_type == "llama3":
+        scaling = RopeScaling(
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
+    elif rope_type != "default":
+        raise NotImplementedError(f"rope type {rope_type!r} is not supported")
+    num_heads = cfg["num_attention_heads"]
+    is_qwen2 = arch == "Qwen2ForCausalLM"
+    llama_bias = bool(cfg.get("attention_bias", False)) and not is_qwen2
+    window = cfg.get("sliding_window")
+    if is_qwen2 and not cfg.get("use_sliding_window", False):
+        window = None
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rope_scaling=scaling,
+        attention_bias=is_qwen2 or llama_bias,
+        attention_out_bias=llama_bias,
+        sliding_window=window,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_ids(cfg.get("eos_token_id")),
+    )
+
+
+def iter_hf_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors of `model.safetensors` or of every shard in `model.safetensors.index.json`."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    for file in files:
+        with safe_open(str(model_dir / file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                yield name, f.get_tensor(name)
+
+
+def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def config_from_gguf(reader: gguf.GGUFReader) -> ModelConfig:
+    """ModelConfig from a GGUF file's `{arch}.*` metadata and its tensor list."""
+    arch = _field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise NotImplementedError(f"GGUF architecture {arch!r} is not supported")
+    tensors = {t.name: t for t in reader.tensors}
+    hidden = _field(reader, f"{arch}.embedding_length")
+    num_heads = _field(reader, f"{arch}.attention.head_count")
+    vocab = _field(reader, f"{arch}.vocab_size")
+    if vocab is None:  # older files: the embedding matrix says it (gguf shapes are reversed)
+        vocab = int(tensors["token_embd.weight"].shape[-1])
+    freq_factors = None
+    if "rope_freqs.weight" in tensors:
+        t = tensors["rope_freqs.weight"]
+        freq_factors = tuple(gguf.quants.dequantize(t.data, t.tensor_type).ravel().tolist())
+    is_qwen2 = arch == "qwen2"
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=_field(reader, f"{arch}.feed_forward_length"),
+        num_layers=_field(reader, f"{arch}.block_count"),
+        num_heads=num_heads,
+        num_kv_heads=_field(reader, f"{arch}.attention.head_count_kv", num_heads),
+        head_dim=_field(reader, f"{arch}.attention.key_length", hidden // num_heads),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=_field(reader, f"{arch}.context_length", 2048),
+        tie_word_embeddings="output.weight" not in tensors,
+        rope_freq_factors=freq_factors,
+        attention_bias=is_qwen2,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_ids(_field(reader, "tokenizer.ggml.eos_token_id")),
+    )
+
+
+_GGUF_GLOBAL = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_GGUF_LAYER = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unused."""
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _GGUF_GLOBAL:
+        return f"{_GGUF_GLOBAL[parts[0]]}.{parts[1]}"
+    return None
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's converter `permute`, which is
+    `w.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2).reshape(w.shape)`:
+    it interleaves each head's two rotary halves into (even, odd) pairs. Reading the rows back
+    as (n_head, half, 2) and swapping the last two row axes restores (2, half) = HF's order."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _dequantize(tensor: ReaderTensor, name: str, config: ModelConfig) -> torch.Tensor:
+    array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    # gguf lists dimensions innermost first; numpy/torch want them outermost first.
+    array = array.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+    if config.architecture == "llama":  # llama.cpp permutes q/k only for its llama arch
+        if ".q_proj." in name:
+            array = unpermute_qk(array, config.num_heads)
+        elif ".k_proj." in name:
+            array = unpermute_qk(array, config.num_kv_heads)
+    if not array.flags.writeable:  # F32 tensors come back as views of the read-only mmap
+        array = array.copy()
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+
+
+def iter_gguf_weights(
+    reader: gguf.GGUFReader, config: ModelConfig, num_threads: int | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantized fp32 tensors under HF names, with Q/K rows back in HF's rotary order.
+
+    numpy releases the GIL, so a few tensors are dequantized ahead on worker threads; the
+    window is bounded so that at most `num_threads` fp32 tensors wait in memory at once."""
+    # Unmapped tensors (rope_freqs) are already folded into the config.
+    named = [(t, n) for t in reader.tensors if (n := gguf_to_hf_name(t.name)) is not None]
+    window = num_threads or min(8, os.cpu_count() or 1)
+    with ThreadPoolExecutor(window) as pool:
+        pending: deque[tuple[str, Future[torch.Tensor]]] = deque()
+        for tensor, name in named:
+            pending.append((name, pool.submit(_dequantize, tensor, name, config)))
+            if len(pending) >= window:
+                done_name, future = pending.popleft()
+                yield done_name, future.result()
+        while pending:
+            done_name, future = pending.popleft()
+            yield done_name, future.result()
+
+
+def load_config(source: ModelSource) -> ModelConfig:
+    """The config alone (cheap for HF; a GGUF file's header must still be parsed)."""
+    if source.kind == "gguf":
+        return config_from_gguf(gguf.GGUFReader(source.path))
+    return config_from_hf(json.loads((source.path / "config.json").read_text()))
+
+
+def load_model(
+    source: ModelSource,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    attn_backend: AttentionBackend | None = None,
+) -> tuple[nn.Module, ModelConfig]:
+    """Build the model on `device` in `dtype` (default bf16 on CUDA, fp32 elsewhere) and fill
+    it with the source's weights. Attention defaults to the torch backend."""
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if source.kind == "gguf":
+        reader = gguf.GGUFReader(source.path)
+        config = config_from_gguf(reader)
+        weights = iter_gguf_weights(reader, config)
+    else:
+        config = config_from_hf(json.loads((source.path / "config.json").read_text()))
+        weights = iter_hf_weights(source.path)
+    model_cls = get_model_class(config.architecture)
+    # Build on the meta device: no random init of weights that are overwritten at once.
+    with torch.device("meta"):
+        model = model_cls(config, attn_backend or TorchAttentionBackend())
+    model = model.to(dtype).to_empty(device=device)
+    model.load_weights(weights)
+    model.build_caches(device)
+    model.eval().requires_grad_(False)
+    return model, config

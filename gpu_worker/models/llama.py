@@ -1,0 +1,269 @@
+"""The Llama family: Llama 2/3 (llama3 rope scaling), SmolLM2, Qwen2 (QKV bias), Mistral.
+
+Plain torch over a flattened batch: `forward` takes every scheduled token of the step in one
+1-D tensor, and attention goes through an `AttentionBackend` over the paged KV cache. Q/K/V and
+gate/up are fused into one matmul each when the weights are loaded.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker.attention import AttentionBackend, AttentionMetadata
+
+if TYPE_CHECKING:  # the loader imports this module, so only the type crosses back
+    from gpu_worker.loader import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in fp32 like the HF reference."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Per-pair inverse frequencies [head_dim // 2], with llama3 scaling or GGUF factors."""
+    dim = config.head_dim
+    # fp32 throughout, op for op as transformers does, so cos/sin match it bit for bit.
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is not None:
+        # llama3: keep high frequencies, divide low ones by `factor`, blend in between.
+        factor = scaling.factor
+        low, high = scaling.low_freq_factor, scaling.high_freq_factor
+        old_len = scaling.original_max_position_embeddings
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        is_mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(is_mid, blended, inv_freq)
+    if config.rope_freq_factors is not None:
+        # llama.cpp stores llama3 scaling as per-pair divisors instead of parameters.
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for every position, computed once in fp32 (HF's rotate_half convention)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.cos_cache: torch.Tensor
+        self.sin_cache: torch.Tensor
+        self.register_buffer("cos_cache", torch.empty(0), persistent=False)
+        self.register_buffer("sin_cache", torch.empty(0), persistent=False)
+
+    def build(self, device: torch.device) -> None:
+        """Fill the caches; called by the loader once the model sits on its device."""
+        inv_freq = rope_inv_freq(self.config).to(device)
+        positions = torch.arange(self.config.max_position_embeddings, device=device).float()
+        freqs = torch.outer(positions, inv_freq)
+        self.cos_cache = freqs.cos()
+        self.sin_cache = freqs.sin()
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos_cache[positions], self.sin_cache[positions]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, head_dim]; the two halves of head_dim are the rotated pairs."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Self-attention with a fused QKV projection and grouped KV heads."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.backend = backend
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward with gate and up fused into one matmul."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embeddings, decoder layers and the final norm."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        # An empty `_weight` skips the random init (on meta it would import torch._dynamo):
+        # the loader overwrites every weight anyway.
+        shape = (config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
+        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+# HF checkpoint name -> (our fused parameter, which shard of it).
+_STACKED: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_STACKED_RE = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM head over `LlamaModel`; serves every architecture in the Llama family."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, backend)
+        self.rotary = RotaryEmbedding(config)
+        # Tied models read the embedding matrix directly, so no second parameter can drift.
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def build_caches(self, device: torch.device) -> None:
+        """Compute the non-weight state (rotary tables) once the model sits on `device`."""
+        self.rotary.build(device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """input_ids/positions [num_tokens] -> final-normed hidden states [num_tokens, hidden]."""
+        cos, sin = self.rotary(positions)
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, attn_metadata, kv_cache)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states at the sampled positions [n, hidden] -> fp32 logits [n, vocab]."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def _shard_range(self, fused: str, shard: int) -> tuple[int, int]:
+        c = self.config
+        if fused == "gate_up_proj":
+            return shard * c.intermediate_size, (shard + 1) * c.intermediate_size
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        start = [0, q_size, q_size + kv_size][shard]
+        return start, start + (q_size if shard == 0 else kv_size)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the parameters, fusing q/k/v and gate/up; every
+        parameter must be written exactly once."""
+        params = dict(self.named_parameters())
+        written: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # old checkpoints store it; we compute our own
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # some tied checkpoints still carry a copy
+            match = _STACKED_RE.search(name)
+            if match is None:
+                if name not in params:
+                    raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+                _copy(params[name], tensor, name)
+                written.add(name)
+                continue
+            fused, shard = _STACKED[match.group(1)]
+            target = name.replace(match.group(1), fused)
+            start, end = self._shard_range(fused, shard)
+            _copy(params[target][start:end], tensor, name)
+            written.add(f"{target}#{shard}")
+        expected = set()
+        for pname in params:
+            if ".qkv_proj." in pname:
+                expected.update(f"{pname}#{i}" for i in range(3))
+            elif ".gate_up_proj." in pname:
+                expected.update(f"{pname}#{i}" for i in range(2))
+            else:
+                expected.add(pname)
+        missing = sorted(expected - written)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}")
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)}, model {tuple(dst.shape)}")
+    dst.copy_(src)

@@ -1,0 +1,31 @@
+"""Operational endpoints: /health and /version (public), /metrics (needs the key)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+
+from render_server.api.deps import StateDep
+from render_server.metrics import METRICS_CONTENT_TYPE
+from render_server.schemas.models import HealthResponse, VersionResponse
+
+router = APIRouter(tags=["admin"])
+
+_HEALTHY = HealthResponse()
+
+
+@router.get("/health")
+async def health() -> HealthResponse:
+    """200 while the process serves HTTP; cheap enough for tight liveness probes."""
+    return _HEALTHY
+
+
+@router.get("/version")
+async def version(state: StateDep) -> VersionResponse:
+    """The duet version this server runs."""
+    return VersionResponse(version=state.version)
+
+
+@router.get("/metrics", response_class=Response)
+async def metrics(state: StateDep) -> Response:
+    """Prometheus text exposition of this app's registry."""
+    return Response(state.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)

@@ -1,0 +1,137 @@
+"""The FastAPI app factory: state built once from RenderSettings, routers, middleware,
+exception handlers."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import replace
+
+from fastapi import FastAPI
+
+from render_server.api import ROUTERS
+from render_server.api.deps import RenderState
+from render_server.chat_template import ChatRenderer
+from render_server.errors import install_exception_handlers
+from render_server.metrics import RenderMetrics
+from render_server.middleware import (
+    ApiKeyMiddleware,
+    CorsMiddleware,
+    LimitsMiddleware,
+    RequestContextMiddleware,
+)
+from render_server.settings import RenderSettings
+from render_server.tokenizer import Tokenizer
+from shared.model_source import resolve_model
+
+logger = logging.getLogger(__name__)
+
+Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
+
+
+def _duet_version() -> str:
+    try:
+        return importlib.metadata.version("duet")
+    except importlib.metadata.PackageNotFoundError:  # running from a bare checkout
+        return "0+unknown"
+
+
+def build_state(settings: RenderSettings) -> RenderState:
+    """Load the tokenizer and chat template once.
+
+    Raises ModelNotFoundError for a `--model` that names nothing, TokenizerLoadError for
+    files that hold no usable tokenizer, OSError for an unreadable `--chat-template`.
+    """
+    source = resolve_model(settings.model)
+    root_model = source.name
+    if settings.served_model_name:
+        source = replace(source, name=settings.served_model_name)
+    started = time.perf_counter()
+    tokenizer = Tokenizer.from_source(source)
+    template = (
+        settings.chat_template.read_text(encoding="utf-8") if settings.chat_template else None
+    )
+    renderer = ChatRenderer(
+        tokenizer,
+        template,
+        render_deadline_s=settings.render_deadline_s,
+        max_output_chars=settings.render_max_output_chars,
+        trust_request_chat_template=settings.trust_request_chat_template,
+        tokenize_special_text_in_content=settings.tokenize_special_text_in_content,
+    )
+    logger.info(
+        "loaded tokenizer of %s (%s) in %.2fs: vocab %d, max_model_len %d",
+        source.name,
+        source.path,
+        time.perf_counter() - started,
+        tokenizer.vocab_size,
+        tokenizer.max_model_len,
+    )
+    return RenderState(
+        settings=settings,
+        model_id=source.name,
+        root_model=root_model,
+        created=int(time.time()),
+        version=_duet_version(),
+        tokenizer=tokenizer,
+        renderer=renderer,
+        metrics=RenderMetrics(),
+    )
+
+
+def _lifespan(state: RenderState, owns_state: bool) -> Lifespan:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Async resources (the worker connections, a later issue) start and stop here; the
+        # tokenizer is loaded before the app exists, so a bad model fails before binding.
+        try:
+            yield
+        finally:
+            if owns_state:  # a state passed in belongs to the caller, who closes it
+                state.renderer.close()
+
+    return lifespan
+
+
+def create_app(settings: RenderSettings, state: RenderState | None = None) -> FastAPI:
+    """Build the render server app. `state` may be passed in to share a loaded tokenizer
+    between apps (tests, benchmarks); by default it is built from `settings`."""
+    owns_state = state is None
+    state = state if state is not None else build_state(settings)
+    app = FastAPI(
+        title="duet render server",
+        version=state.version,
+        lifespan=_lifespan(state, owns_state),
+        # A trailing-slash redirect would build an absolute URL from the Host header;
+        # `/v1/models/` is simply a 404 instead.
+        redirect_slashes=False,
+    )
+    app.state.render = state
+    for router in ROUTERS:
+        app.include_router(router)
+    install_exception_handlers(app)
+
+    # add_middleware puts each new layer outside the previous ones, so this reads
+    # innermost first: ApiKey -> Limits -> CORS -> RequestContext (outermost).
+    if settings.api_keys:
+        app.add_middleware(ApiKeyMiddleware, api_keys=settings.api_keys)
+    app.add_middleware(
+        LimitsMiddleware,
+        max_body_bytes=settings.max_body_bytes,
+        max_header_bytes=settings.max_header_bytes,
+        max_header_count=settings.max_header_count,
+    )
+    if settings.cors_allow_origins:
+        app.add_middleware(
+            CorsMiddleware,
+            allow_origins=settings.cors_allow_origins,
+            allow_methods=settings.cors_allow_methods,
+            allow_headers=settings.cors_allow_headers,
+            allow_credentials=settings.cors_allow_credentials,
+            expose_headers=["X-Request-Id"],
+        )
+    app.add_middleware(RequestContextMiddleware, metrics=state.metrics)
+    return app

@@ -1,0 +1,650 @@
+"""Chat templates: render a request's messages into prompt text and token ids.
+
+Templates run in jinja2's immutable sandbox with transformers' conventions (trim_blocks,
+lstrip_blocks, loopcontrols, `raise_exception`, `strftime_now`, its `tojson`), so the text and
+ids equal `tokenizer.apply_chat_template(..., tokenize=True)`. A template is code we did not
+write, so each render runs on a small thread pool under a deadline and an output budget; a
+render past its deadline gets an exception raised into its thread and the request fails alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import functools
+import json
+import re
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.compiler import CodeGenerator, Frame
+from jinja2.filters import do_format as _format_filter
+from jinja2.runtime import Context
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from render_server.tokenizer import Tokenizer
+
+# A request's chat_template_kwargs may not replace any of these.
+# fmt: off
+RESERVED_TEMPLATE_VARS = frozenset({
+    # what the server passes to every template
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "chat_template", "tokenize", "bos_token", "eos_token", "unk_token", "pad_token",
+    # the environment's globals
+    "raise_exception", "strftime_now", "namespace", "dict", "range", "lipsum", "cycler", "joiner",
+})
+# fmt: on
+# Special-token text in user strings is swapped for one private-use character each while the
+# template runs (Supplementary Private Use Area-A), then encoded as plain text.
+_SENTINEL_FIRST, _SENTINEL_LAST = 0xF0000, 0xFFFFD
+_SENTINEL_CLASS = "[\U000f0000-\U000ffffd]"
+_SENTINEL_SPLIT = re.compile(f"({_SENTINEL_CLASS})")
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker, so the cut matches
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_MAX_POWER_BITS = 1 << 16
+
+
+class ChatTemplateError(ValueError):
+    """The chat template could not render this request; the API answers HTTP 400."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class ChatTemplateTimeout(ChatTemplateError):
+    """Rendering ran past the deadline and was stopped."""
+
+
+class ChatTemplateTooLarge(ChatTemplateError):
+    """The template produced (or tried to build) more text than the budget allows."""
+
+
+class RequestTemplateNotAllowed(ChatTemplateError):
+    """The request carried its own chat_template and the server does not trust those."""
+
+
+@dataclass(frozen=True)
+class RenderedChat:
+    """The prompt as text and as the token ids sent to a worker."""
+
+    text: str
+    token_ids: list[int]
+
+
+class _RenderInterrupted(BaseException):
+    """Raised into a render thread past its deadline. A BaseException, so that no
+    `except Exception` on the way (jinja's or ours) can swallow it."""
+
+
+def _raise_exception(message: Any) -> None:
+    raise ChatTemplateError(str(message))
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # transformers' filter: jinja's own tojson escapes HTML characters, which templates don't want.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+class _TemplateDict:
+    """`dict(...)` for templates without exposing the dict type itself (as transformers does)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """jinja's namespace, refusing underscore names that reach into CPython internals."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        self, args = args[0], args[1:]  # jinja's signature trick, so namespace(self=...) works
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}` marks assistant spans for training masks; rendering keeps the body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Callable[[], str]) -> str:
+        return caller()
+
+
+class _BudgetCodeGenerator(CodeGenerator):
+    """Compiles `~` to a size-checked join; jinja has a hook for binary operators, not for `~`."""
+
+    def visit_Concat(self, node: jinja2.nodes.Concat, frame: Frame) -> None:
+        self.write("environment.checked_concat((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
+# Widths and precisions in printf-style and str.format specs: '%0999999999d', '{:>999999999}'.
+_PERCENT_SPEC = re.compile(r"%[#0 +\-]*(\d*)\.?(\d*)")
+_BRACE_SPEC = re.compile(r"\{[^{}]*?:([^{}]*)\}")
+
+
+def _format_widths(fmt: str) -> list[int]:
+    digits = [g for groups in _PERCENT_SPEC.findall(fmt) for g in groups if g]
+    digits += [d for spec in _BRACE_SPEC.findall(fmt) for d in re.findall(r"\d+", spec)]
+    return [int(d) if len(d) < 12 else 10**12 for d in digits]
+
+
+# What jinja passes ahead of the filtered value to pass_context/environment/eval_context filters.
+_PASSED_ARGS = (jinja2.Environment, Context, jinja2.nodes.EvalContext)
+
+
+class _SandboxEnvironment(ImmutableSandboxedEnvironment):
+    """The immutable sandbox with transformers' globals, plus size checks wherever one C call
+    could build a huge value, which no deadline can interrupt: `'a' * 10**9`, `7 ** 10**8`,
+    doubling by `~` or `+`, and any call or filter given a count or width past the budget
+    (`'a'.ljust(10**9)`, `x | center(10**9)`, `'%0999999999d' % 1`)."""
+
+    code_generator_class = _BudgetCodeGenerator
+    intercepted_binops = frozenset({"+", "*", "**", "%"})
+
+    def __init__(self, max_value_chars: int) -> None:
+        super().__init__(
+            trim_blocks=True,
+            lstrip_blocks=True,
+            extensions=[jinja2.ext.loopcontrols, _GenerationTag],
+        )
+        self.max_value_chars = max_value_chars
+        self.filters["tojson"] = _tojson
+        self.filters = {name: self._bounded_filter(fn) for name, fn in self.filters.items()}
+        self.globals.update(
+            raise_exception=_raise_exception,
+            strftime_now=_strftime_now,
+            dict=_TemplateDict(),
+            namespace=_Namespace,
+        )
+
+    def _check_size(self, size: int) -> None:
+        if size > self.max_value_chars:
+            raise ChatTemplateTooLarge(
+                f"chat template built a value of {size} items (the limit is {self.max_value_chars})"
+            )
+
+    def _check_ints(self, values: Iterable[Any]) -> None:
+        for value in values:
+            if isinstance(value, int):
+                self._check_size(value)
+
+    def _check_format(self, fmt: Any) -> None:
+        if isinstance(fmt, str):
+            self._check_ints(_format_widths(fmt))
+
+    def _bounded_filter(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)  # keeps jinja's pass_context/pass_environment marks
+        def bounded(*args: Any, **kwargs: Any) -> Any:
+            values = [a for a in args if not isinstance(a, _PASSED_ARGS)]
+            if fn is _format_filter and values:
+                self._check_format(values[0])
+            self._check_ints([*values[1:], *kwargs.values()])  # the filtered value may be big
+            return fn(*args, **kwargs)
+
+        return bounded
+
+    def call(__self, __context: Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        __self._check_ints([*args, *kwargs.values()])
+        # The sandbox's str.format wrapper keeps the format string as __wrapped__.__self__.
+        __self._check_format(getattr(getattr(__obj, "__wrapped__", None), "__self__", None))
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        sized = (str, list, tuple)
+        if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
+            if abs(left).bit_length() * right > _MAX_POWER_BITS:
+                raise ChatTemplateTooLarge("chat template computed a number too large to hold")
+        elif operator == "*":
+            for seq, count in ((left, right), (right, left)):
+                if isinstance(seq, sized) and isinstance(count, int):
+                    self._check_size(len(seq) * count)
+        elif operator == "+" and isinstance(left, sized) and isinstance(right, sized):
+            self._check_size(len(left) + len(right))
+        elif operator == "%":
+            self._check_format(left)
+        return super().call_binop(context, operator, left, right)
+
+    def checked_concat(self, values: tuple[Any, ...]) -> str:
+        parts = [str(value) for value in values]
+        self._check_size(sum(map(len, parts)))
+        return "".join(parts)
+
+
+def _mentions_content(node: jinja2.nodes.Node, aliases: set[str]) -> bool:
+    kinds = (jinja2.nodes.Getattr, jinja2.nodes.Getitem, jinja2.nodes.Name)
+    for n in [node, *node.find_all(kinds)]:
+        key = getattr(n.arg, "value", None) if isinstance(n, jinja2.nodes.Getitem) else None
+        key = getattr(n, "attr", key)
+        if key == "content" or (isinstance(n, jinja2.nodes.Name) and n.name in aliases):
+            return True
+    return False
+
+
+def _iterates_content(ast: jinja2.nodes.Template) -> bool:
+    """Whether the template loops over message content, i.e. takes OpenAI-style content parts.
+    Templates that only concatenate content get the text parts joined into a string instead."""
+    aliases: set[str] = set()
+    for assign in ast.find_all(jinja2.nodes.Assign):
+        if isinstance(assign.target, jinja2.nodes.Name) and _mentions_content(assign.node, set()):
+            aliases.add(assign.target.name)
+    return any(_mentions_content(loop.iter, aliases) for loop in ast.find_all(jinja2.nodes.For))
+
+
+def _plain(value: Any) -> Any:
+    """Rebuild request data from plain JSON types, so no object with methods reaches a template."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    return f"<{type(value).__name__}>"
+
+
+def _map_strings(value: Any, fn: Callable[[str], str]) -> Any:
+    """Apply `fn` to every string value (not dict keys) in plain request data."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, dict):
+        return {key: _map_strings(item, fn) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_map_strings(item, fn) for item in value]
+    return value
+
+
+def _flatten_content(content: list[Any]) -> str:
+    texts = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type", "text") == "text":
+            if not isinstance(part.get("text"), str):
+                raise ChatTemplateError("a text content part needs a string 'text'")
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ChatTemplateError(f"content parts of type {kind!r} are not supported")
+    return "\n".join(texts)
+
+
+def _parse_tool_arguments(message: dict[str, Any]) -> None:
+    """OpenAI sends tool-call arguments as a JSON string; HF templates expect the object
+    (they `tojson` it), so a string that parses to an object is replaced by it, as vLLM does."""
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except ValueError:
+                continue  # malformed model output: render it as the string it is
+            if isinstance(parsed, dict):
+                function["arguments"] = parsed
+
+
+def _prepare_messages(messages: Any, content_parts: bool) -> list[dict[str, Any]]:
+    """transformers' normalization (drop None values, alias reasoning fields), then the
+    OpenAI-to-HF fixes: tool-call arguments as objects, and text parts joined into a string
+    for templates that treat content as a string."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatTemplateError("messages must be a non-empty list")
+    prepared = []
+    for message in messages:
+        if not isinstance(message, Mapping):
+            raise ChatTemplateError("each message must be an object")
+        message = _plain({key: value for key, value in message.items() if value is not None})
+        reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        if not content_parts and isinstance(message.get("content"), list):
+            message["content"] = _flatten_content(message["content"])
+        _parse_tool_arguments(message)
+        prepared.append(message)
+    return prepared
+
+
+def _async_raise(thread_id: int, exc_type: type[BaseException] | None) -> None:
+    # None (NULL) clears an exception still pending for that thread.
+    exc = ctypes.py_object(exc_type) if exc_type is not None else None
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), exc)
+
+
+class _RenderJob:
+    """One render on the pool; `abort` stops it from another thread once its deadline passed."""
+
+    def __init__(self, fn: Callable[[], RenderedChat]) -> None:
+        self._fn = fn
+        self._lock = threading.Lock()
+        self._thread_id: int | None = None
+        self._finished = False
+        self._aborted = False
+        self.future: Future[RenderedChat] | None = None
+
+    def run(self) -> RenderedChat:
+        with self._lock:
+            if self._aborted:
+                raise ChatTemplateTimeout("chat template render was aborted before it started")
+            self._thread_id = threading.get_ident()
+        try:
+            return self._fn()
+        except _RenderInterrupted:
+            raise ChatTemplateTimeout("chat template render was stopped at its deadline") from None
+        finally:
+            with self._lock:
+                self._finished = True
+                if self._aborted:
+                    # The injected exception may not have fired yet; it must not fire later in
+                    # the pool's own code, which would kill the worker thread.
+                    _async_raise(threading.get_ident(), None)
+
+    def abort(self) -> None:
+        with self._lock:
+            self._aborted = True
+            if self.future is not None:
+                self.future.cancel()  # still queued: it never runs
+            if self._thread_id is not None and not self._finished:
+                _async_raise(self._thread_id, _RenderInterrupted)
+
+
+class ChatRenderer:
+    """Renders chat requests for one tokenizer: picks the template (request, `--chat-template`
+    override, or the model's own), renders it in the sandbox under the deadline and output
+    budget, and tokenizes the result the way `apply_chat_template(tokenize=True)` does."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        template_override: str | None = None,
+        *,
+        render_deadline_s: float = 2.0,
+        max_output_chars: int = 4_000_000,
+        trust_request_chat_template: bool = False,
+        tokenize_special_text_in_content: bool = False,
+        max_workers: int = 4,
+        template_cache_size: int = 32,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = template_override or tokenizer.chat_template
+        self.render_deadline_s = render_deadline_s
+        self.max_output_chars = max_output_chars
+        self.trust_request_chat_template = trust_request_chat_template
+        self._env = _SandboxEnvironment(max_output_chars)
+        self._compile = functools.lru_cache(maxsize=template_cache_size)(self._compile_uncached)
+        self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="chat-render")
+        named = [("bos_token", tokenizer.bos_token), ("eos_token", tokenizer.eos_token)]
+        named += [("unk_token", tokenizer.unk_token), ("pad_token", tokenizer.pad_token)]
+        self._token_vars = {name: token for name, token in named if token is not None}
+        # Whitespace tokens (Gemma's "\n") are ordinary text in any template; never protect them.
+        protected = [t for t in tokenizer.special_tokens if t.strip()]
+        self._protect_re: re.Pattern[str] | None = None
+        if protected and not tokenize_special_text_in_content:
+            alternatives = "|".join(map(re.escape, sorted(protected, key=len, reverse=True)))
+            # User text that already holds sentinel characters is protected too, as itself.
+            self._protect_re = re.compile(f"{alternatives}|{_SENTINEL_CLASS}")
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
+    ) -> RenderedChat:
+        """Render on the pool and wait; raises ChatTemplateTimeout past the deadline."""
+        job = self._submit(
+            messages, add_generation_prompt, continue_final_message, tools, documents,
+            chat_template_kwargs, chat_template,
+        )  # fmt: skip
+        assert job.future is not None
+        try:
+            return job.future.result(timeout=self.render_deadline_s)
+        except TimeoutError:
+            job.abort()
+            raise self._timeout() from None
+
+    async def render_async(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
+    ) -> RenderedChat:
+        """`render` without blocking the event loop; a cancelled caller stops the render too."""
+        job = self._submit(
+            messages, add_generation_prompt, continue_final_message, tools, documents,
+            chat_template_kwargs, chat_template,
+        )  # fmt: skip
+        assert job.future is not None
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(job.future), self.render_deadline_s)
+        except TimeoutError:
+            job.abort()
+            raise self._timeout() from None
+        except asyncio.CancelledError:
+            job.abort()
+            raise
+
+    def _timeout(self) -> ChatTemplateTimeout:
+        return ChatTemplateTimeout(
+            f"chat template rendering took longer than {self.render_deadline_s:g}s"
+        )
+
+    def _submit(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        tools: list[dict[str, Any]] | None,
+        documents: list[dict[str, Any]] | None,
+        chat_template_kwargs: dict[str, Any] | None,
+        chat_template: str | None,
+    ) -> _RenderJob:
+        # The cheap checks run in the caller, so they fail fast and never queue.
+        if chat_template is not None and not self.trust_request_chat_template:
+            raise RequestTemplateNotAllowed(
+                "this server does not accept chat_template in requests "
+                "(start it with --trust-request-chat-template to allow them)"
+            )
+        source = chat_template if chat_template is not None else self.chat_template
+        if source is None:
+            raise ChatTemplateError(
+                "the model has no chat template; start the server with --chat-template FILE"
+            )
+        if continue_final_message and add_generation_prompt:
+            raise ChatTemplateError(
+                "continue_final_message and add_generation_prompt cannot both be set"
+            )
+        kwargs = dict(chat_template_kwargs or {})
+        overridden = sorted(str(key) for key in kwargs if key in RESERVED_TEMPLATE_VARS)
+        if overridden or not all(isinstance(key, str) for key in kwargs):
+            raise ChatTemplateError(
+                f"chat_template_kwargs may not set {', '.join(overridden) or 'non-string keys'}"
+            )
+        for name, value in (("tools", tools), ("documents", documents)):
+            if value is not None and not all(isinstance(item, Mapping) for item in value):
+                raise ChatTemplateError(f"{name} must be a list of objects")
+        job = _RenderJob(
+            functools.partial(
+                self._render_now, source, messages, add_generation_prompt,
+                continue_final_message, tools, documents, kwargs,
+            )
+        )  # fmt: skip
+        job.future = self._executor.submit(job.run)
+        return job
+
+    def _compile_uncached(self, source: str) -> tuple[jinja2.Template, bool]:
+        try:
+            ast = self._env.parse(source)
+            return self._env.from_string(ast), _iterates_content(ast)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ChatTemplateError(
+                f"chat template syntax error, line {exc.lineno}: {exc}"
+            ) from None
+
+    def _render_now(
+        self,
+        source: str,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        tools: list[dict[str, Any]] | None,
+        documents: list[dict[str, Any]] | None,
+        kwargs: dict[str, Any],
+    ) -> RenderedChat:
+        template, content_parts = self._compile(source)
+        chat = _prepare_messages(messages, content_parts)
+        tools, documents, kwargs = _plain(tools), _plain(documents), _plain(kwargs)
+        by_sentinel: dict[str, str] = {}
+        if self._protect_re is not None:
+            (chat, tools, documents, kwargs), by_sentinel = _protect(
+                (chat, tools, documents, kwargs), self._protect_re
+            )
+        final_text = _tag_final_message(chat) if continue_final_message else None
+        context = {**self._token_vars, **kwargs, "messages": chat, "tools": tools}
+        context.update(documents=documents, add_generation_prompt=add_generation_prompt)
+        text = self._generate(template, context)
+        if final_text is not None:
+            text = _cut_after_final_message(text, final_text)
+        return self._tokenize(text, by_sentinel)
+
+    def _generate(self, template: jinja2.Template, context: dict[str, Any]) -> str:
+        chunks: list[str] = []
+        size = 0
+        try:
+            for chunk in template.generate(context):
+                size += len(chunk)
+                if size > self.max_output_chars:
+                    raise ChatTemplateTooLarge(
+                        f"chat template output passed {self.max_output_chars} characters"
+                    )
+                chunks.append(chunk)
+        except ChatTemplateError:
+            raise
+        except jinja2.exceptions.SecurityError as exc:
+            raise ChatTemplateError(f"chat template blocked by the sandbox: {exc}") from None
+        except Exception as exc:  # a template can fail in any way its Python calls can
+            raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+        return "".join(chunks)
+
+    def _tokenize(self, text: str, by_sentinel: dict[str, str]) -> RenderedChat:
+        tokenizer = self.tokenizer
+        if not by_sentinel:
+            # Nothing protected: one encode of the whole text, exactly as transformers does.
+            return RenderedChat(text, tokenizer.encode(text, add_special_tokens=False))
+        pieces, token_ids = [], []
+        for index, piece in enumerate(_SENTINEL_SPLIT.split(text)):
+            original = by_sentinel.get(piece) if index % 2 else None
+            if original is not None:
+                pieces.append(original)
+                token_ids += tokenizer.encode_plain(original)
+            elif piece:
+                pieces.append(piece)
+                token_ids += tokenizer.encode(piece, add_special_tokens=False)
+        return RenderedChat("".join(pieces), token_ids)
+
+
+def _protect(
+    values: tuple[Any, ...], pattern: re.Pattern[str]
+) -> tuple[tuple[Any, ...], dict[str, str]]:
+    """Swap each special-token text in the strings of `values` for a sentinel character;
+    returns the new values and sentinel -> original text."""
+    sentinels: dict[str, str] = {}
+
+    def sentinel(match: re.Match[str]) -> str:
+        text = match.group()
+        if text not in sentinels:
+            if _SENTINEL_FIRST + len(sentinels) > _SENTINEL_LAST:
+                raise ChatTemplateError("too many distinct special tokens in the request")
+            sentinels[text] = chr(_SENTINEL_FIRST + len(sentinels))
+        return sentinels[text]
+
+    marked = tuple(
+        _map_strings(value, lambda text: pattern.sub(sentinel, text)) for value in values
+    )
+    return marked, {mark: text for text, mark in sentinels.items()}
+
+
+def _tag_final_message(chat: list[dict[str, Any]]) -> str:
+    """Append transformers' marker to the final message's text; returns that text."""
+    content = chat[-1].get("content")
+    if isinstance(content, str):
+        chat[-1]["content"] = content + _CONTINUE_TAG
+        return content
+    if isinstance(content, list):
+        for part in reversed(content):
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                text = part["text"]
+                part["text"] = text + _CONTINUE_TAG
+                return text
+    raise ChatTemplateError("continue_final_message needs a final message with text content")
+
+
+def _cut_after_final_message(text: str, final_text: str) -> str:
+    tag = _CONTINUE_TAG.strip()
+    if final_text.strip() not in text or tag not in text:
+        raise ChatTemplateError(
+            "continue_final_message: the chat template does not render the final message as given"
+        )
+    at = text.rindex(tag)
+    if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return text[:at]
+    return text[:at].rstrip()  # the template trimmed the message, so trim our cut the same way

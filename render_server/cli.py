@@ -1,0 +1,220 @@
+"""`render-serve`: flags -> RenderSettings -> app -> uvicorn.
+
+Flags override `DUET_*` environment variables, which override the defaults: only flags
+actually given are passed to RenderSettings, the rest it reads from the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import uvicorn
+from pydantic import ValidationError
+from uvicorn.config import LOG_LEVELS
+
+from render_server.settings import LogLevel, RenderSettings
+from shared.model_source import ModelNotFoundError
+
+PROG = "render-serve"
+
+
+def _default(field: str) -> Any:
+    info = RenderSettings.model_fields[field]
+    return info.get_default(call_default_factory=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of render-serve; each one is also a DUET_* environment variable."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="duet's CPU render server: OpenAI-style HTTP front, chat templates and "
+        "tokenization. Every flag can also be set as DUET_<NAME> in the environment.",
+        # Unset flags must stay unset so the environment and the defaults can fill them.
+        argument_default=argparse.SUPPRESS,
+    )
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--model",
+        help=f"built-in model name, .gguf file or HF model directory "
+        f"(default: {_default('model')})",
+    )
+    model.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the id clients pass as `model` (default: the model's own name)",
+    )
+    model.add_argument(
+        "--chat-template",
+        type=Path,
+        metavar="FILE",
+        help="jinja file replacing the model's chat template",
+    )
+    model.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="honour a `chat_template` sent in a request (still sandboxed and time-limited)",
+    )
+    model.add_argument(
+        "--tokenize-special-text-in-content",
+        action="store_true",
+        help="read special-token text inside message content as special tokens (unsafe)",
+    )
+    model.add_argument(
+        "--render-deadline",
+        dest="render_deadline_s",
+        type=float,
+        metavar="SECONDS",
+        help=f"time budget of one chat-template render (default: {_default('render_deadline_s')})",
+    )
+
+    http = parser.add_argument_group("HTTP")
+    http.add_argument("--host", help=f"address to bind (default: {_default('host')})")
+    http.add_argument("--port", type=int, help=f"port to bind (default: {_default('port')})")
+    http.add_argument(
+        "--api-key",
+        dest="api_keys",
+        action="append",
+        metavar="KEY",
+        help="accepted Bearer token; repeat for several. Every route but /health and "
+        "/version then needs one (env: DUET_API_KEY=k1,k2)",
+    )
+    http.add_argument(
+        "--root-path",
+        metavar="PREFIX",
+        help="path prefix when served behind a proxy that strips it (e.g. /api)",
+    )
+    http.add_argument(
+        "--max-body-bytes",
+        type=int,
+        metavar="BYTES",
+        help=f"largest request body, else 413 (default: {_default('max_body_bytes')})",
+    )
+    http.add_argument(
+        "--max-header-bytes",
+        type=int,
+        metavar="BYTES",
+        help=f"largest total header size, else 431 (default: {_default('max_header_bytes')})",
+    )
+    http.add_argument(
+        "--max-header-count",
+        type=int,
+        metavar="COUNT",
+        help=f"most request headers, else 431 (default: {_default('max_header_count')})",
+    )
+    http.add_argument(
+        "--timeout-graceful-shutdown",
+        dest="timeout_graceful_shutdown_s",
+        type=int,
+        metavar="SECONDS",
+        help="time in-flight requests get on shutdown "
+        f"(default: {_default('timeout_graceful_shutdown_s')})",
+    )
+    http.add_argument(
+        "--access-log", action="store_true", help="log one line per request (default: off)"
+    )
+    http.add_argument(
+        "--log-level",
+        choices=list(LogLevel.__args__),
+        help=f"log level (default: {_default('log_level')})",
+    )
+
+    cors = parser.add_argument_group("CORS (off unless --allowed-origins is given)")
+    cors.add_argument(
+        "--allowed-origins",
+        dest="cors_allow_origins",
+        action="append",
+        metavar="ORIGIN",
+        help="origin allowed by CORS; repeat or comma-separate; `*` for any",
+    )
+    cors.add_argument(
+        "--allowed-methods",
+        dest="cors_allow_methods",
+        action="append",
+        metavar="METHOD",
+        help=f"CORS methods (default: {','.join(_default('cors_allow_methods'))})",
+    )
+    cors.add_argument(
+        "--allowed-headers",
+        dest="cors_allow_headers",
+        action="append",
+        metavar="HEADER",
+        help=f"CORS request headers (default: {','.join(_default('cors_allow_headers'))})",
+    )
+    cors.add_argument(
+        "--allow-credentials",
+        dest="cors_allow_credentials",
+        action="store_true",
+        help="let CORS responses allow credentials",
+    )
+    return parser
+
+
+def _comma_split(values: list[str]) -> list[str]:
+    return [item.strip() for value in values for item in value.split(",") if item.strip()]
+
+
+def parse_settings(argv: Sequence[str] | None = None) -> RenderSettings:
+    """Parse flags into RenderSettings; a bad value exits 2 with argparse's message."""
+    parser = build_parser()
+    given = vars(parser.parse_args(argv))
+    for key in ("cors_allow_origins", "cors_allow_methods", "cors_allow_headers"):
+        if key in given:
+            given[key] = _comma_split(given[key])
+    try:
+        return RenderSettings(**given)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors()
+        )
+        parser.error(problems)
+
+
+def _fail(message: str) -> NoReturn:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of `render-serve`."""
+    settings = parse_settings(argv)
+    logging.basicConfig(
+        level=LOG_LEVELS[settings.log_level],
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    # Imported here so `render-serve --help` stays instant.
+    from render_server.app import create_app
+    from render_server.tokenizer import TokenizerLoadError
+
+    try:
+        app = create_app(settings)
+    except ModelNotFoundError as exc:
+        _fail(str(exc))
+    except TokenizerLoadError as exc:
+        _fail(f"cannot load the tokenizer of {settings.model!r}: {exc}")
+    except OSError as exc:
+        _fail(f"cannot read {exc.filename or 'a file'}: {exc.strerror or exc}")
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        root_path=settings.root_path,
+        # "auto" picks uvloop and httptools (both in the `render` extra) when importable.
+        loop="auto",
+        http="auto",
+        lifespan="on",
+        log_config=None,  # logging.basicConfig above already routes uvicorn's loggers
+        log_level=LOG_LEVELS[settings.log_level],
+        access_log=settings.access_log,
+        timeout_graceful_shutdown=settings.timeout_graceful_shutdown_s,
+        timeout_keep_alive=settings.timeout_keep_alive_s,
+        server_header=False,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Prometheus metrics of one render server app.
+
+Each app owns its CollectorRegistry (never the global one), so two apps in one process
+(tests, benchmarks) do not collide and /metrics shows only this app's numbers.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# Anything else is folded into "other" so a client cannot grow the label space.
+_KNOWN_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
+# Route label for requests that matched no route (404s, and 401s decided before routing).
+UNMATCHED_ROUTE = "unmatched"
+
+_LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+
+
+class RenderMetrics:
+    """The render server's counters and histograms, on a registry of their own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.http_requests = Counter(
+            "duet_render_http_requests",
+            "HTTP requests answered, by method, route template and status code.",
+            ["method", "route", "status"],
+            registry=self.registry,
+        )
+        self.http_latency = Histogram(
+            "duet_render_http_request_duration_seconds",
+            "Time from receiving a request to finishing its response.",
+            ["method", "route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.render_seconds = Histogram(
+            "duet_render_chat_template_seconds",
+            "Time spent rendering one chat template (and tokenizing the result).",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.tokens_tokenized = Counter(
+            "duet_render_tokens_tokenized",
+            "Token ids produced by /tokenize.",
+            registry=self.registry,
+        )
+        # labels() takes a lock and builds a key per call; the label space is small and
+        # bounded, so the children are cached to keep per-request overhead minimal.
+        self._children: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
+
+    def observe_request(self, method: str, route: str, status: int, seconds: float) -> None:
+        """Count one finished HTTP request and record its latency."""
+        key = (method, route, status)
+        children = self._children.get(key)
+        if children is None:
+            label_method = method if method in _KNOWN_METHODS else "other"
+            children = (
+                self.http_requests.labels(label_method, route, str(status)),
+                self.http_latency.labels(label_method, route),
+            )
+            if method in _KNOWN_METHODS:
+                self._children[key] = children
+        counter, histogram = children
+        counter.inc()
+        histogram.observe(seconds)
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format of every metric in this registry."""
+        return generate_latest(self.registry)

@@ -1,0 +1,40 @@
+"""Fixtures shared across the test tree. Keep each one cheap to import; load lazily."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shared.model_source import DEFAULT_MODEL, ModelNotFoundError, ModelSource, resolve_model
+
+DATA_DIR = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="session")
+def smollm2_source() -> ModelSource:
+    """The default model (SmolLM2-135M-Instruct GGUF), resolved once per session."""
+    try:
+        return resolve_model(DEFAULT_MODEL)
+    except ModelNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_source: ModelSource) -> Any:
+    """duet's Tokenizer for the default model (render_server.tokenizer.Tokenizer)."""
+    from render_server.tokenizer import Tokenizer
+
+    return Tokenizer.from_source(smollm2_source)
+
+
+@pytest.fixture(scope="session")
+def hf_reference_tokenizer(smollm2_source: ModelSource) -> Any:
+    """transformers' tokenizer from the same GGUF: the reference for ids and chat templates."""
+    transformers = pytest.importorskip("transformers")
+    # The GGUF loader logs a warning per call; it says nothing a test needs.
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    path = smollm2_source.path
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -1,0 +1,1 @@
+"""Shared test helpers (tiny models, runners); imported by tests, never by the product."""

@@ -1,0 +1,146 @@
+"""Tiny random HF-format models, and a tiny paged runner to drive our models like the engine.
+
+The models are saved with transformers' `save_pretrained`, so our loader reads exactly what a
+real HF checkpoint holds. Weights are drawn larger than HF's init (std 0.02 leaves attention
+almost uniform, which would hide rotary or permutation bugs), norms and biases are perturbed
+from their ones/zeros init so a misplaced norm or a dropped bias shows in the logits.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import transformers
+from torch import nn
+
+from gpu_worker.attention import AttentionMetadata, allocate_kv_caches
+from gpu_worker.loader import ModelConfig
+
+Family = Literal["llama", "qwen2", "mistral"]
+
+_SIZES: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+def tiny_hf_model(
+    family: Family, *, tie_word_embeddings: bool, seed: int = 0, **overrides: Any
+) -> transformers.PreTrainedModel:
+    """A random-weight transformers model of `family`, in fp32 eval mode."""
+    config_cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "mistral": transformers.MistralConfig,
+    }[family]
+    config = config_cls(**_SIZES, tie_word_embeddings=tie_word_embeddings, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.2 * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.copy_(0.5 * torch.randn_like(param))
+            elif "embed_tokens" in name:
+                param.normal_(0.0, 1.0)
+            else:
+                param.normal_(0.0, 0.15)
+    return model.eval()
+
+
+def save_tiny_model(
+    out_dir: Path,
+    family: Family,
+    *,
+    tie_word_embeddings: bool,
+    max_shard_size: str | None = None,
+    seed: int = 0,
+    **overrides: Any,
+) -> tuple[Path, transformers.PreTrainedModel]:
+    """Save a tiny model to `out_dir` (sharded when `max_shard_size` is small); returns the
+    directory and the in-memory reference model."""
+    model = tiny_hf_model(family, tie_word_embeddings=tie_word_embeddings, seed=seed, **overrides)
+    kwargs: dict[str, Any] = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(out_dir, **kwargs)
+    return out_dir, model
+
+
+@dataclass
+class _SeqState:
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+
+
+class PagedRunner:
+    """Runs one of our models step by step through a paged KV cache.
+
+    A test-local block allocator hands out blocks in shuffled order, so block tables are never
+    contiguous, and a small block size makes sequences straddle several partially filled blocks.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ModelConfig,
+        *,
+        num_blocks: int = 64,
+        block_size: int = 4,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        dtype = next(model.parameters()).dtype
+        device = next(model.parameters()).device
+        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.kv_caches = allocate_kv_caches(config.num_layers, *shape, dtype, device)
+        # Block 0 stays unused so that a table padded with 0 would read garbage if trusted.
+        self.free_blocks = list(range(1, num_blocks))
+        random.Random(seed).shuffle(self.free_blocks)
+        self.seqs: dict[int, _SeqState] = {}
+
+    @torch.no_grad()
+    def step(self, batch: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        """One flattened step over `seq_id -> new token ids`; returns each sequence's fp32
+        logits for its new tokens [len(tokens), vocab]."""
+        query_lens, context_lens, tables, ids, positions = [], [], [], [], []
+        for seq_id, tokens in batch.items():
+            state = self.seqs.setdefault(seq_id, _SeqState())
+            total = state.num_computed_tokens + len(tokens)
+            while len(state.block_table) * self.block_size < total:
+                state.block_table.append(self.free_blocks.pop())
+            query_lens.append(len(tokens))
+            context_lens.append(state.num_computed_tokens)
+            tables.append(list(state.block_table))
+            ids.extend(tokens)
+            positions.extend(range(state.num_computed_tokens, total))
+        device = self.kv_caches[0].device
+        meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, device)
+        hidden = self.model(
+            torch.tensor(ids, device=device),
+            torch.tensor(positions, device=device),
+            meta,
+            self.kv_caches,
+        )
+        for seq_id, tokens in batch.items():
+            self.seqs[seq_id].num_computed_tokens += len(tokens)
+        logits = self.model.compute_logits(hidden).split(query_lens)
+        return dict(zip(batch.keys(), logits, strict=True))
+
+    def greedy(self, seq_id: int, prompt: list[int], max_tokens: int) -> list[int]:
+        """Prefill `prompt` in one step, then decode `max_tokens` greedy tokens one by one."""
+        logits = self.step({seq_id: prompt})[seq_id]
+        out: list[int] = []
+        for _ in range(max_tokens):
+            out.append(int(logits[-1].argmax()))
+            logits = self.step({seq_id: [out[-1]]})[seq_id]
+        return out

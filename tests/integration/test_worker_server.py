@@ -1,0 +1,210 @@
+"""gpu-worker as a real process over real ZMQ on loopback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from shared.protocol import (
+    MAGIC,
+    Abort,
+    Deltas,
+    Encoder,
+    Generate,
+    Heartbeat,
+    Hello,
+    Rejected,
+    RequestDelta,
+    Welcome,
+    WorkerMessageDecoder,
+)
+from shared.sampling import SamplingParams
+from shared.transport import make_dealer
+
+PROMPT = [1, 4093, 198, 2683, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+STARTUP_TIMEOUT_S = 180
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[str]:
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gpu_worker.cli",
+            "--bind",
+            "tcp://127.0.0.1:*",
+            "--device",
+            "cpu",
+            "--kv-cache-memory-gb",
+            "0.05",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    endpoint = None
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        if line.startswith("gpu-worker ready on "):
+            endpoint = line.split()[-1]
+            break
+    if endpoint is None:
+        process.kill()
+        pytest.fail("gpu-worker did not become ready")
+    yield endpoint
+    process.terminate()
+    assert process.wait(timeout=30) == 0
+
+
+class Client:
+    """A bare DEALER speaking the wire protocol, as a render server would."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.context = zmq.Context()
+        self.socket = make_dealer(self.context, endpoint, identity=uuid.uuid4().bytes)
+        self.encoder = Encoder()
+        self.decoder = WorkerMessageDecoder()
+
+    def send(self, message: object) -> None:
+        self.socket.send(self.encoder.encode(message))
+
+    def recv(self, timeout_s: float = 30.0) -> object:
+        assert self.socket.poll(int(timeout_s * 1000)), "no message from the worker"
+        return self.decoder.decode(self.socket.recv())
+
+    def recv_until(self, kind: type, timeout_s: float = 30.0) -> object:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            message = self.recv(deadline - time.monotonic())
+            if isinstance(message, kind):
+                return message
+        raise AssertionError(f"no {kind.__name__} in time")
+
+    def collect(self, request_id: str, timeout_s: float = 60.0) -> list[RequestDelta]:
+        deltas: list[RequestDelta] = []
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            message = self.recv(deadline - time.monotonic())
+            if isinstance(message, Deltas):
+                mine = [d for d in message.deltas if d.request_id == request_id]
+                deltas.extend(mine)
+                if any(d.finish_reason for d in mine):
+                    return deltas
+            if isinstance(message, Rejected) and message.request_id == request_id:
+                raise AssertionError(f"rejected: {message}")
+        raise AssertionError("request did not finish in time")
+
+    def close(self) -> None:
+        self.socket.close()
+        self.context.term()
+
+
+@pytest.fixture
+def client(worker: str) -> Iterator[Client]:
+    c = Client(worker)
+    c.send(Hello(client_id="test"))
+    welcome = c.recv_until(Welcome)
+    assert welcome.model_card.vocab_size == 49152
+    yield c
+    c.close()
+
+
+def _generate(request_id: str, max_tokens: int = 12, **sampling: object) -> Generate:
+    return Generate(
+        request_id=request_id,
+        prompt_token_ids=PROMPT,
+        sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens, **sampling),
+    )
+
+
+def test_handshake_and_streamed_greedy_deltas(client: Client) -> None:
+    client.send(_generate("a"))
+    deltas = client.collect("a")
+    tokens = [t for d in deltas for t in d.new_token_ids]
+    assert 1 <= len(tokens) <= 12
+    assert deltas[-1].finish_reason in ("stop", "length")
+    assert deltas[-1].num_prompt_tokens == len(PROMPT)
+    # greedy is deterministic, and the second run hits the prefix cache
+    client.send(_generate("b"))
+    again = client.collect("b")
+    assert [t for d in again for t in d.new_token_ids] == tokens
+    assert again[-1].num_cached_tokens >= 0
+
+
+def test_heartbeat_reports_idle_cache_after_abort(client: Client) -> None:
+    client.send(_generate("long", max_tokens=400, ignore_eos=True))
+    first = client.recv_until(Deltas)
+    assert any(d.request_id == "long" for d in first.deltas)
+    client.send(Abort(request_ids=["long"]))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        beat = client.recv_until(Heartbeat)
+        if beat.stats.num_running == 0 and beat.stats.kv_blocks_free == beat.stats.kv_blocks_total:
+            return
+    raise AssertionError("KV blocks were not returned after the abort")
+
+
+def test_malformed_frames_are_dropped_and_counted(client: Client) -> None:
+    for frame in (b"", b"garbage", MAGIC + bytes([99]) + b"\x80", MAGIC + b"\x01\xc1"):
+        client.socket.send(frame)
+    client.socket.send_multipart([b"two", b"frames"])
+    client.send(_generate("after-garbage", max_tokens=4))
+    assert client.collect("after-garbage")
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        beat = client.recv_until(Heartbeat)
+        if beat.stats.bad_frames >= 5:
+            return
+    raise AssertionError("bad frames were not counted")
+
+
+def test_invalid_requests_are_rejected_not_fatal(client: Client) -> None:
+    client.send(
+        Generate(request_id="oov", prompt_token_ids=[10**6], sampling=SamplingParams(max_tokens=2))
+    )
+    rejected = client.recv_until(Rejected)
+    assert rejected.request_id == "oov" and rejected.code == "invalid_request"
+    client.send(
+        Generate(request_id="too-long", prompt_token_ids=[5] * 9000, sampling=SamplingParams())
+    )
+    rejected = client.recv_until(Rejected)
+    assert rejected.request_id == "too-long" and rejected.code == "too_long"
+    client.send(_generate("still-fine", max_tokens=3))
+    assert client.collect("still-fine")
+
+
+def test_generate_before_hello_is_rejected(worker: str) -> None:
+    stranger = Client(worker)
+    try:
+        stranger.send(_generate("x"))
+        rejected = stranger.recv_until(Rejected)
+        assert rejected.code == "protocol"
+    finally:
+        stranger.close()
+
+
+def test_duplicate_generate_runs_once(client: Client) -> None:
+    client.send(_generate("dup", max_tokens=6, ignore_eos=True))
+    client.send(_generate("dup", max_tokens=6, ignore_eos=True))
+    deltas = client.collect("dup")
+    assert sum(len(d.new_token_ids) for d in deltas) == 6
+    # nothing more arrives for it
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        if not client.socket.poll(100):
+            continue
+        message = client.decoder.decode(client.socket.recv())
+        if isinstance(message, Deltas):
+            assert all(d.request_id != "dup" for d in message.deltas)

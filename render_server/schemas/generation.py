@@ -1,0 +1,113 @@
+"""Request fields chat and completions share: sampling, stops, limits (OpenAI + vLLM).
+
+Unknown fields are ignored, as the OpenAI SDK sends fields duet has no use for
+(`metadata`, `store`, ...). Fields duet does not support yet are named in
+`UNSUPPORTED_FIELDS` and answered with a 400 that names them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Bounds checked in the render tier before anything reaches a worker.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_CHAT_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 20
+
+StopField = Annotated[
+    str | list[str] | None,
+    Field(description="Up to 16 strings; generation stops before the first that appears."),
+]
+
+
+class StreamOptions(BaseModel):
+    """Options of a streamed response."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+    """Send a last chunk with `usage` (and empty `choices`) before `[DONE]`."""
+
+
+class SamplingFields(BaseModel):
+    """Fields of both endpoints that become SamplingParams, stops and limits."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    """Upper bound on generated tokens; unset means up to max_model_len minus the prompt."""
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    """Choice i samples with seed + i, so a seeded request with n > 1 is reproducible."""
+    n: int = 1
+    stop: StopField = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
+    """Token id (as a string key, as OpenAI sends it) to a bias in [-100, 100]."""
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    """Accepted for compatibility; unused."""
+    priority: int = 0
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[Any]
+    """Validated as ChatMessage by the route, so errors name `messages.N.field`."""
+    max_completion_tokens: int | None = None
+    """OpenAI's newer name for max_tokens; wins when both are set."""
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    echo: bool = False
+    """vLLM extension: prefix the reply with the last message's content when it continues it."""
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    add_special_tokens: bool = True
+    suffix: str | None = None
+    best_of: int | None = None
+    response_format: Any = None
+
+
+# Field -> why it is refused. Only refused when the client actually sets it.
+UNSUPPORTED_FIELDS: dict[str, str] = {
+    "response_format": "structured outputs (response_format) are not supported yet",
+    "tools": "tool calling (tools) is not supported yet",
+    "tool_choice": "tool calling (tool_choice) is not supported yet",
+    "suffix": "suffix (insertion) is not supported",
+}

@@ -150,7 +150,7 @@ def main() -> None:
 
     ours_ids = renderer.render(CHAT, add_generation_prompt=True).token_ids
     ref_ids = reference.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=True)
-    ref_ids = ref_ids["input_ids"] if isinstance(ref_ids, dict) else list(ref_ids)
+    ref_ids = ref_ids["input_ids"] if hasattr(ref_ids, "keys") else list(ref_ids)
     assert ours_ids == list(ref_ids), "duet and transformers disagree on the rendered ids"
 
     baseline = time_calls(

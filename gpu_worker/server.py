@@ -104,6 +104,12 @@ class _Outbox:
                     self.deltas[delta.request_id] = delta
                 else:
                     merge_delta(pending, delta)
+        elif (
+            isinstance(message, Heartbeat)
+            and self.control
+            and isinstance(self.control[-1], Heartbeat)
+        ):
+            self.control[-1] = message  # a client that is not reading needs only the latest
         else:
             self.control.append(message)
 
@@ -120,8 +126,12 @@ class _IoThread(threading.Thread):
         router: zmq.Socket,
         inbound: queue.Queue[tuple[bytes, RenderToWorker] | tuple[bytes, None]],
         counters: ServerCounters,
+        heartbeat_interval_s: float,
+        stall_limit_s: float,
     ) -> None:
         super().__init__(name="duet-worker-io", daemon=True)
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._stall_limit_s = stall_limit_s
         self._router = router
         self._inbound = inbound
         self._counters = counters
@@ -133,6 +143,11 @@ class _IoThread(threading.Thread):
         self._wake_push.connect(self._wake_address)
         self._stopping = threading.Event()
         self._outboxes: dict[bytes, _Outbox] = {}
+        self.heartbeat: Heartbeat | None = None
+        """Latest heartbeat the main thread published; sent to every client each second."""
+        self.loop_alive_at = time.monotonic()
+        """When the main loop last finished an iteration (a hung engine stops heartbeats)."""
+        self._clients: set[bytes] = set()
 
     def send(self, identity: bytes, message: object) -> None:
         """Queue a message for a client; called from the main thread only."""
@@ -149,9 +164,15 @@ class _IoThread(threading.Thread):
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_pull, zmq.POLLIN)
+        next_heartbeat = time.monotonic()
         while not self._stopping.is_set():
+            now = time.monotonic()
+            if now >= next_heartbeat:
+                self._queue_heartbeats(now)
+                next_heartbeat = now + self._heartbeat_interval_s
             has_backlog = any(not box.is_empty() for box in self._outboxes.values())
-            events = dict(poller.poll(5 if has_backlog else 1000))
+            wait_ms = 5 if has_backlog else int(1000 * max(0.0, next_heartbeat - now)) + 1
+            events = dict(poller.poll(wait_ms))
             if self._wake_pull in events:
                 while self._drain_one(self._wake_pull):
                     pass
@@ -160,6 +181,17 @@ class _IoThread(threading.Thread):
             self._flush(encoder)
         self._wake_pull.close()
         self._wake_push.close()
+
+    def _queue_heartbeats(self, now: float) -> None:
+        # Sent from this thread so a long engine step (a big prefill on CPU) never looks
+        # like a dead worker; a main loop stuck past the stall limit stops them, so a hung
+        # engine still does. SIGSTOP stops this thread too.
+        heartbeat = self.heartbeat
+        if heartbeat is None or now - self.loop_alive_at > self._stall_limit_s:
+            return
+        heartbeat = Heartbeat(sent_at=time.time(), stats=heartbeat.stats)
+        for identity in self._clients:
+            self._outboxes.setdefault(identity, _Outbox()).add(heartbeat)
 
     @staticmethod
     def _drain_one(socket: zmq.Socket) -> bool:
@@ -185,6 +217,8 @@ class _IoThread(threading.Thread):
                 self._counters.bad_frames += 1
                 logger.warning("dropped a bad frame from %s: %s", identity.hex(), exc)
                 continue
+            if isinstance(message, Hello):
+                self._clients.add(identity)
             self._inbound.put((identity, message))
 
     def _flush(self, encoder: Encoder) -> None:
@@ -213,6 +247,7 @@ class _IoThread(threading.Thread):
                     raise
                 # The peer is gone: nothing will read these; tell the main thread.
                 del self._outboxes[identity]
+                self._clients.discard(identity)
                 self._inbound.put((identity, None))
             else:
                 if box.is_empty():
@@ -230,6 +265,7 @@ class WorkerServer:
         worker_id: str = "worker",
         curve: CurveKeys | None = None,
         heartbeat_interval_s: float = 1.0,
+        stall_limit_s: float = 60.0,
         gpu_reader: object | None = None,
     ) -> None:
         self.engine = engine
@@ -239,7 +275,14 @@ class WorkerServer:
         self._router = make_router(self._context, bind, curve=curve)
         self.endpoint = bound_endpoint(self._router)
         self._inbound: queue.Queue = queue.Queue()
-        self._io = _IoThread(self._context, self._router, self._inbound, self.counters)
+        self._io = _IoThread(
+            self._context,
+            self._router,
+            self._inbound,
+            self.counters,
+            heartbeat_interval_s,
+            stall_limit_s,
+        )
         self._heartbeat_interval_s = heartbeat_interval_s
         self._gpu_reader = gpu_reader
         self._clients: dict[bytes, _Client] = {}
@@ -255,17 +298,19 @@ class WorkerServer:
 
     def serve_forever(self) -> None:
         self._io.start()
-        next_heartbeat = time.monotonic()
+        next_stats = time.monotonic()
         try:
             while not self._stop.is_set():
                 busy = self.engine.has_unfinished_requests()
-                timeout = 0.0 if busy else max(0.0, next_heartbeat - time.monotonic())
+                timeout = 0.0 if busy else max(0.0, next_stats - time.monotonic())
                 self._drain_inbound(block_for=timeout)
                 if self.engine.has_unfinished_requests():
                     self._send_deltas(self.engine.step())
-                if time.monotonic() >= next_heartbeat:
-                    self._send_heartbeats()
-                    next_heartbeat = time.monotonic() + self._heartbeat_interval_s
+                now = time.monotonic()
+                self._io.loop_alive_at = now
+                if now >= next_stats:
+                    self._publish_stats()
+                    next_stats = now + self._heartbeat_interval_s / 2
         finally:
             self._io.stop()
             self._io.join(timeout=5)
@@ -368,9 +413,7 @@ class WorkerServer:
         for identity, client_deltas in by_client.items():
             self._io.send(identity, Deltas(deltas=client_deltas, step=self._step))
 
-    def _send_heartbeats(self) -> None:
-        if not self._clients:
-            return
+    def _publish_stats(self) -> None:
         stats = self.engine.stats()
         if self._gpu_reader is not None:
             reading = self._gpu_reader.read()
@@ -378,6 +421,5 @@ class WorkerServer:
             stats.gpu_memory_total_bytes = reading.memory_total_bytes
             stats.gpu_utilization = reading.utilization
         stats.bad_frames = self.counters.bad_frames
-        heartbeat = Heartbeat(sent_at=time.time(), stats=stats)
-        for identity in self._clients:
-            self._io.send(identity, heartbeat)
+        # One reference swap: the I/O thread reads whichever heartbeat is current.
+        self._io.heartbeat = Heartbeat(sent_at=time.time(), stats=stats)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -16,6 +17,7 @@ from render_server.api import ROUTERS
 from render_server.api.deps import RenderState
 from render_server.chat_template import ChatRenderer
 from render_server.errors import install_exception_handlers
+from render_server.generation_metrics import GenerationMetrics
 from render_server.metrics import RenderMetrics
 from render_server.middleware import (
     ApiKeyMiddleware,
@@ -24,10 +26,15 @@ from render_server.middleware import (
     RequestContextMiddleware,
 )
 from render_server.settings import RenderSettings
+from render_server.token_text import TokenText
 from render_server.tokenizer import Tokenizer
+from render_server.workers import WorkerError, WorkerPool
 from shared.model_source import resolve_model
 
 logger = logging.getLogger(__name__)
+
+# How long startup waits for a first worker before serving anyway (then /ready is 503).
+_WORKER_CONNECT_WAIT_S = 10.0
 
 Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
@@ -70,6 +77,15 @@ def build_state(settings: RenderSettings) -> RenderState:
         tokenizer.vocab_size,
         tokenizer.max_model_len,
     )
+    metrics = RenderMetrics()
+    workers = None
+    if not settings.render_only and settings.workers:
+        workers = WorkerPool(
+            settings.workers,
+            tokenizer_digest=tokenizer.digest,
+            client_id=f"render-{os.getpid()}",
+            heartbeat_timeout_s=settings.heartbeat_timeout_s,
+        )
     return RenderState(
         settings=settings,
         model_id=source.name,
@@ -78,18 +94,31 @@ def build_state(settings: RenderSettings) -> RenderState:
         version=_duet_version(),
         tokenizer=tokenizer,
         renderer=renderer,
-        metrics=RenderMetrics(),
+        metrics=metrics,
+        token_text=TokenText(tokenizer),
+        generation_metrics=GenerationMetrics(
+            metrics.registry, workers.statuses if workers is not None else None
+        ),
+        workers=workers,
     )
 
 
 def _lifespan(state: RenderState, owns_state: bool) -> Lifespan:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # Async resources (the worker connections, a later issue) start and stop here; the
-        # tokenizer is loaded before the app exists, so a bad model fails before binding.
+        # The worker connections start here, on uvicorn's loop; the tokenizer is loaded
+        # before the app exists, so a bad model fails before binding.
+        if state.workers is not None:
+            try:
+                await state.workers.start(_WORKER_CONNECT_WAIT_S)
+            except WorkerError as exc:
+                # Serve anyway: /ready says 503 and the pool keeps trying in the background.
+                logger.warning("no gpu-worker yet: %s", exc.message)
         try:
             yield
         finally:
+            if state.workers is not None:
+                await state.workers.close()
             if owns_state:  # a state passed in belongs to the caller, who closes it
                 state.renderer.close()
 

@@ -72,6 +72,57 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"time budget of one chat-template render (default: {_default('render_deadline_s')})",
     )
 
+    workers = parser.add_argument_group(
+        "workers (default: start a local gpu-worker and serve through it)"
+    )
+    workers.add_argument(
+        "--worker",
+        dest="workers",
+        action="append",
+        metavar="ADDR",
+        help="ZMQ address of a running gpu-worker (tcp://HOST:PORT or ipc://PATH); repeat "
+        "for several. Without any, render-serve starts a local worker itself",
+    )
+    workers.add_argument(
+        "--render-only",
+        action="store_true",
+        help="no workers: serve tokenize, detokenize and models only (generation is a 503)",
+    )
+    workers.add_argument(
+        "--worker-device",
+        metavar="DEVICE",
+        help="device of the local worker: auto, cuda or cpu "
+        f"(default: {_default('worker_device')})",
+    )
+    workers.add_argument(
+        "--worker-arg",
+        dest="worker_args",
+        action="append",
+        metavar="FLAG",
+        help="extra flag for the local worker, e.g. --worker-arg=--max-num-seqs=64; repeatable",
+    )
+    workers.add_argument(
+        "--worker-ready-timeout",
+        dest="worker_ready_timeout_s",
+        type=float,
+        metavar="SECONDS",
+        help="how long to wait for the local worker to load "
+        f"(default: {_default('worker_ready_timeout_s')})",
+    )
+    workers.add_argument(
+        "--heartbeat-timeout",
+        dest="heartbeat_timeout_s",
+        type=float,
+        metavar="SECONDS",
+        help=f"a worker silent this long is dead (default: {_default('heartbeat_timeout_s')})",
+    )
+    workers.add_argument(
+        "--max-n",
+        type=int,
+        metavar="N",
+        help=f"largest `n` a request may ask for (default: {_default('max_n')})",
+    )
+
     http = parser.add_argument_group("HTTP")
     http.add_argument("--host", help=f"address to bind (default: {_default('host')})")
     http.add_argument("--port", type=int, help=f"port to bind (default: {_default('port')})")
@@ -162,7 +213,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> RenderSettings:
     """Parse flags into RenderSettings; a bad value exits 2 with argparse's message."""
     parser = build_parser()
     given = vars(parser.parse_args(argv))
-    for key in ("cors_allow_origins", "cors_allow_methods", "cors_allow_headers"):
+    for key in ("cors_allow_origins", "cors_allow_methods", "cors_allow_headers", "workers"):
         if key in given:
             given[key] = _comma_split(given[key])
     try:
@@ -187,6 +238,34 @@ def main(argv: Sequence[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     # Imported here so `render-serve --help` stays instant.
+    from render_server.embedded import EmbeddedWorker, EmbeddedWorkerError
+    from shared.model_source import resolve_model
+
+    embedded: EmbeddedWorker | None = None
+    if not settings.workers and not settings.render_only:
+        # Fail on a bad --model or template here, before a worker spends time loading.
+        try:
+            resolve_model(settings.model)
+            if settings.chat_template is not None:
+                settings.chat_template.read_text(encoding="utf-8")
+        except ModelNotFoundError as exc:
+            _fail(str(exc))
+        except OSError as exc:
+            _fail(f"cannot read {exc.filename or 'a file'}: {exc.strerror or exc}")
+        embedded = EmbeddedWorker(settings.model, settings.worker_device, settings.worker_args)
+        try:
+            address = embedded.start(settings.worker_ready_timeout_s)
+        except EmbeddedWorkerError as exc:
+            _fail(str(exc))
+        settings = settings.model_copy(update={"workers": [address]})
+    try:
+        _serve(settings)
+    finally:
+        if embedded is not None:
+            embedded.stop()
+
+
+def _serve(settings: RenderSettings) -> None:
     from render_server.app import create_app
     from render_server.tokenizer import TokenizerLoadError
 
@@ -198,6 +277,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         _fail(f"cannot load the tokenizer of {settings.model!r}: {exc}")
     except OSError as exc:
         _fail(f"cannot read {exc.filename or 'a file'}: {exc.strerror or exc}")
+    scheme_host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    print(
+        f"{PROG}: serving {settings.served_model_name or settings.model} on "
+        f"http://{scheme_host}:{settings.port}{settings.root_path}/v1",
+        file=sys.stderr,
+        flush=True,
+    )
     uvicorn.run(
         app,
         host=settings.host,

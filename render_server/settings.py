@@ -93,6 +93,21 @@ class RenderSettings(BaseSettings):
     """Seconds in-flight requests get to finish on SIGTERM before the server stops."""
     timeout_keep_alive_s: int = Field(default=5, ge=1)
     """Seconds an idle keep-alive connection stays open."""
+    # -- workers and generation ----------------------------------------------------------
+    workers: StrList = Field(default_factory=list)
+    """ZMQ addresses of running gpu-workers. Empty (and not render_only): spawn a local one."""
+    render_only: bool = False
+    """Serve only what needs no worker (tokenize, detokenize, models); generation is a 503."""
+    worker_device: str = "auto"
+    """Device of the embedded worker (auto, cuda, cpu)."""
+    worker_args: StrList = Field(default_factory=list)
+    """Extra gpu-worker flags for the embedded worker, e.g. `--max-num-seqs=64`."""
+    worker_ready_timeout_s: float = Field(default=600.0, gt=0)
+    """How long to wait for the embedded worker to load its model."""
+    heartbeat_timeout_s: float = Field(default=3.0, gt=0)
+    """A worker silent this long is dead; its requests fail or move."""
+    max_n: int = Field(default=16, ge=1, le=128)
+    """Largest `n` a request may ask for."""
     access_log: bool = False
     """Log one line per request (off by default: it costs throughput)."""
     log_level: LogLevel = "info"
@@ -100,6 +115,8 @@ class RenderSettings(BaseSettings):
 
     @field_validator(
         "api_keys",
+        "workers",
+        "worker_args",
         "cors_allow_origins",
         "cors_allow_methods",
         "cors_allow_headers",

@@ -132,6 +132,8 @@ class RequestDelta(msgspec.Struct, array_like=True, forbid_unknown_fields=True, 
     logprobs: list[TokenLogprobs] | None = None
     """One entry per new token when the request asked for logprobs."""
     error: ShortText | None = None
+    queue_time: float | None = None
+    """Seconds between the worker receiving the request and its first step (first delta)."""
 
 
 class Deltas(_Message, tag="deltas", kw_only=True):

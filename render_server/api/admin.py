@@ -1,4 +1,4 @@
-"""Operational endpoints: /health and /version (public), /metrics (needs the key)."""
+"""Operational endpoints: /health, /ready and /version (public), /metrics (needs the key)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,20 @@ _HEALTHY = HealthResponse()
 async def health() -> HealthResponse:
     """200 while the process serves HTTP; cheap enough for tight liveness probes."""
     return _HEALTHY
+
+
+@router.get("/ready")
+async def ready(state: StateDep) -> Response:
+    """200 when at least one worker is connected and alive (always on --render-only)."""
+    pool = state.workers
+    if pool is None or pool.is_ready():
+        return Response(b'{"status":"ready"}', media_type="application/json")
+    return Response(
+        b'{"status":"not ready","reason":"no gpu-worker is connected and alive"}',
+        status_code=503,
+        media_type="application/json",
+        headers={"Retry-After": "1"},
+    )
 
 
 @router.get("/version")

@@ -11,13 +11,16 @@ from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 
-from render_server.errors import model_not_found
+from render_server.errors import SERVER_ERROR, ApiError, model_not_found
 from render_server.metrics import RenderMetrics
 from render_server.settings import RenderSettings
 
 if TYPE_CHECKING:
     from render_server.chat_template import ChatRenderer
+    from render_server.generation_metrics import GenerationMetrics
+    from render_server.token_text import TokenText
     from render_server.tokenizer import Tokenizer
+    from render_server.workers import WorkerPool
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,38 @@ class RenderState:
     tokenizer: Tokenizer
     renderer: ChatRenderer
     metrics: RenderMetrics
+    token_text: TokenText
+    """Cached per-token text and bytes for logprobs."""
+    generation_metrics: GenerationMetrics
+    workers: WorkerPool | None = None
+    """The connections to the gpu-workers; None on a --render-only server."""
+
+    @property
+    def max_model_len(self) -> int:
+        """The context length: the tokenizer's, capped by what the workers accept."""
+        card = self.workers.model_card if self.workers is not None else None
+        if card is None:
+            return self.tokenizer.max_model_len
+        return min(card.max_model_len, self.tokenizer.max_model_len)
+
+    def require_workers(self) -> WorkerPool:
+        """The pool, or the 503 a client gets when nothing can generate."""
+        if self.workers is None:
+            raise ApiError(
+                503,
+                "This render server runs with --render-only: it cannot generate.",
+                type=SERVER_ERROR,
+                code="render_only",
+            )
+        if not self.workers.is_ready():
+            raise ApiError(
+                503,
+                "No gpu-worker is connected and alive; retry shortly.",
+                type=SERVER_ERROR,
+                code="no_workers",
+                headers={"Retry-After": "1"},
+            )
+        return self.workers
 
     def check_model(self, requested: str | None) -> None:
         """Raise the OpenAI 404 unless `requested` is absent or names the served model."""

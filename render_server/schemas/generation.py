@@ -11,6 +11,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from render_server.schemas.tokenize import ChatMessage
+
 # Bounds checked in the render tier before anything reaches a worker.
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -73,8 +75,7 @@ class SamplingFields(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
-    messages: list[Any]
-    """Validated as ChatMessage by the route, so errors name `messages.N.field`."""
+    messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     """OpenAI's newer name for max_tokens; wins when both are set."""
     logprobs: bool = False
@@ -84,8 +85,6 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
-    echo: bool = False
-    """vLLM extension: prefix the reply with the last message's content when it continues it."""
     response_format: Any = None
     tools: Any = None
     tool_choice: Any = None

@@ -86,7 +86,9 @@ def stop_server(server: ServerProcess) -> None:
 def render_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """render-serve without keys, trusting request chat templates (1 s render deadline)."""
     log = tmp_path_factory.mktemp("render") / "render-serve.log"
-    server = start_server(["--trust-request-chat-template", "--render-deadline", "1.0"], log)
+    server = start_server(
+        ["--render-only", "--trust-request-chat-template", "--render-deadline", "1.0"], log
+    )
     yield server
     stop_server(server)
 
@@ -96,6 +98,7 @@ def secure_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPr
     """render-serve with two API keys, CORS for SECURE_ORIGIN and root_path SECURE_ROOT_PATH."""
     log = tmp_path_factory.mktemp("secure") / "render-serve.log"
     args = [
+        "--render-only",
         *[arg for key in SECURE_KEYS for arg in ("--api-key", key)],
         "--allowed-origins",
         SECURE_ORIGIN,

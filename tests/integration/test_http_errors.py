@@ -170,6 +170,8 @@ def test_unhandled_exception_is_500_without_traceback() -> None:
         tokenizer=None,  # type: ignore[arg-type]
         renderer=None,  # type: ignore[arg-type]
         metrics=RenderMetrics(),
+        token_text=None,  # type: ignore[arg-type]
+        generation_metrics=None,  # type: ignore[arg-type]
     )
     app = create_app(settings, state)
 

@@ -1,0 +1,216 @@
+"""POST /v1/chat/completions: render the chat, generate on the workers, answer as OpenAI."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from render_server.api.deps import RenderState, StateDep
+from render_server.chat_template import ChatTemplateError, RequestTemplateNotAllowed
+from render_server.errors import ApiError
+from render_server.generation import ChoiceDelta, Generation
+from render_server.schemas.errors import ErrorResponse
+from render_server.schemas.generation import MAX_CHAT_LOGPROBS, ChatCompletionRequest
+from render_server.schemas.responses import (
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatMessageOut,
+    ChatTokenLogprob,
+    TopLogprob,
+)
+from render_server.serving import (
+    new_request_id,
+    sse_event,
+    stream_with_errors,
+    until_disconnect,
+    usage_of,
+    worker_error_to_api,
+)
+from render_server.token_text import TokenText
+from render_server.validation import (
+    build_choices,
+    check_prompt_length,
+    reject_unsupported,
+    resolve_max_tokens,
+)
+from render_server.workers import WorkerError
+from shared.protocol import TokenLogprobs
+
+router = APIRouter(tags=["generation"])
+_encode_json = msgspec.json.Encoder().encode
+
+_ERRORS = {
+    400: {"model": ErrorResponse, "description": "Invalid request"},
+    404: {"model": ErrorResponse, "description": "Unknown model"},
+    503: {"model": ErrorResponse, "description": "No worker available"},
+}
+
+
+def _chat_logprobs(
+    token_text: TokenText, token_ids: list[int], entries: list[TokenLogprobs] | None, top: int
+) -> ChatChoiceLogprobs | None:
+    if entries is None:
+        return None
+    content = []
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        text, raw = token_text.lookup(token_id)
+        alternatives = []
+        for alt_id, alt_logprob in zip(entry.top_token_ids[:top], entry.top_logprobs, strict=False):
+            alt_text, alt_raw = token_text.lookup(alt_id)
+            alternatives.append(TopLogprob(alt_text, alt_logprob, alt_raw))
+        content.append(ChatTokenLogprob(text, entry.logprob, raw, alternatives))
+    return ChatChoiceLogprobs(content)
+
+
+async def _render(state: RenderState, body: ChatCompletionRequest) -> list[int]:
+    started = time.perf_counter()
+    try:
+        rendered = await state.renderer.render_async(
+            [message.to_template_dict() for message in body.messages],
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            documents=body.documents,
+            chat_template_kwargs=body.chat_template_kwargs,
+            chat_template=body.chat_template,
+        )
+    except RequestTemplateNotAllowed as exc:
+        raise ApiError(400, exc.message, param="chat_template") from exc
+    except ChatTemplateError as exc:
+        raise ApiError(400, exc.message, param="messages", code="chat_template_error") from exc
+    finally:
+        state.metrics.render_seconds.observe(time.perf_counter() - started)
+    return rendered.token_ids
+
+
+@router.post("/v1/chat/completions", responses=_ERRORS)
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, state: StateDep
+) -> Response:
+    """OpenAI's chat completions, streamed (SSE) or not."""
+    reject_unsupported(body)
+    state.check_model(body.model)
+    pool = state.require_workers()
+    if body.continue_final_message and body.add_generation_prompt:
+        raise ApiError(
+            400,
+            "continue_final_message and add_generation_prompt cannot both be true.",
+            param="continue_final_message",
+        )
+    if body.top_logprobs is not None:
+        if not 0 <= body.top_logprobs <= MAX_CHAT_LOGPROBS:
+            raise ApiError(
+                400, f"top_logprobs must be in [0, {MAX_CHAT_LOGPROBS}].", param="top_logprobs"
+            )
+        if not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
+    prompt_ids = await _render(state, body)
+    max_model_len = state.max_model_len
+    check_prompt_length(len(prompt_ids), max_model_len, "messages")
+    if body.max_completion_tokens is not None:
+        requested, param = body.max_completion_tokens, "max_completion_tokens"
+    else:
+        requested, param = body.max_tokens, "max_tokens"
+    max_tokens = resolve_max_tokens(requested, param, len(prompt_ids), max_model_len)
+    top = body.top_logprobs or 0
+    choices = build_choices(
+        body,
+        max_tokens=max_tokens,
+        logprobs=top if body.logprobs else None,
+        vocab_size=state.tokenizer.vocab_size,
+        max_n=state.settings.max_n,
+    )
+    generation = Generation(
+        pool,
+        state.tokenizer,
+        new_request_id("chatcmpl"),
+        prompt_ids,
+        choices,
+        priority=body.priority,
+    )
+    try:
+        await generation.__aenter__()
+    except WorkerError as exc:
+        state.generation_metrics.record(generation)
+        raise worker_error_to_api(exc) from exc
+    created = int(time.time())
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        chunks = _stream(state, generation, created, top, include_usage)
+        return StreamingResponse(
+            stream_with_errors(state.generation_metrics.recorded(generation, chunks)),
+            media_type="text/event-stream",
+            background=BackgroundTask(generation.abort),
+        )
+    try:
+        result = await until_disconnect(request, _collect(state, generation, created, top))
+    except WorkerError as exc:
+        raise worker_error_to_api(exc) from exc
+    finally:
+        await generation.abort()
+        state.generation_metrics.record(generation)
+    return Response(_encode_json(result), media_type="application/json")
+
+
+async def _collect(
+    state: RenderState, generation: Generation, created: int, top: int
+) -> ChatCompletion:
+    async for _ in generation.deltas():
+        pass
+    choices = []
+    for index, totals in enumerate(generation.totals):
+        logprobs = None
+        if generation.choices[index].sampling.logprobs is not None:
+            logprobs = _chat_logprobs(state.token_text, totals.token_ids, totals.logprobs, top)
+        choices.append(
+            ChatChoice(
+                index=index,
+                message=ChatMessageOut(content="".join(totals.text)),
+                logprobs=logprobs,
+                finish_reason=totals.finish_reason,
+                stop_reason=totals.stop_reason,
+            )
+        )
+    return ChatCompletion(
+        id=generation.request_id,
+        created=created,
+        model=state.model_id,
+        choices=choices,
+        usage=usage_of(generation),
+    )
+
+
+async def _stream(
+    state: RenderState, generation: Generation, created: int, top: int, include_usage: bool
+) -> AsyncIterator[bytes]:
+    request_id, model = generation.request_id, state.model_id
+    wants_logprobs = generation.choices[0].sampling.logprobs is not None
+
+    def chunk(choice: ChatChunkChoice) -> bytes:
+        return sse_event(ChatCompletionChunk(request_id, created, model, [choice]))
+
+    for index in range(len(generation.choices)):
+        yield chunk(ChatChunkChoice(index, ChatDelta(role="assistant", content="")))
+    delta: ChoiceDelta
+    async for delta in generation.deltas():
+        if not delta.text and delta.finish_reason is None and not wants_logprobs:
+            continue  # held back (a partial character or a possible stop string)
+        logprobs = None
+        if wants_logprobs:
+            logprobs = _chat_logprobs(state.token_text, delta.token_ids, delta.logprobs, top)
+        content = ChatDelta(content=delta.text) if delta.text else ChatDelta()
+        yield chunk(
+            ChatChunkChoice(delta.index, content, logprobs, delta.finish_reason, delta.stop_reason)
+        )
+    if include_usage:
+        yield sse_event(
+            ChatCompletionChunk(request_id, created, model, [], usage=usage_of(generation))
+        )

@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="CURVE secret key file (zmq.auth format) to encrypt the socket",
     )
+    add(
+        "--heartbeat-interval",
+        type=float,
+        default=1.0,
+        help="seconds between heartbeats to each render server",
+    )
     add("--log-level", default="info", help="debug, info, warning or error")
     return parser
 
@@ -100,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         args.bind,
         worker_id=args.worker_id or args.bind,
         curve=curve,
+        heartbeat_interval_s=args.heartbeat_interval,
         gpu_reader=Nvml(engine.device),
     )
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -3,18 +3,23 @@
 Templates run in jinja2's immutable sandbox with transformers' conventions (trim_blocks,
 lstrip_blocks, loopcontrols, `raise_exception`, `strftime_now`, its `tojson`), so the text and
 ids equal `tokenizer.apply_chat_template(..., tokenize=True)`. A template is code we did not
-write, so each render runs on a small thread pool under a deadline and an output budget; a
-render past its deadline gets an exception raised into its thread and the request fails alone.
+write, so each render runs under a deadline and an output budget; a render past its deadline
+gets an exception raised into its thread and the request fails alone. Renders of the server's
+own template with small inputs run in the calling thread (the event loop's, over HTTP), timed
+by one watchdog thread; request-supplied templates and large inputs run on a small pool.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import functools
 import json
 import re
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,7 +31,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.compiler import CodeGenerator, Frame
 from jinja2.filters import do_format as _format_filter
-from jinja2.runtime import Context
+from jinja2.runtime import Context, LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from render_server.tokenizer import Tokenizer
@@ -49,6 +54,14 @@ _SENTINEL_SPLIT = re.compile(f"({_SENTINEL_CLASS})")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker, so the cut matches
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _MAX_POWER_BITS = 1 << 16
+# Inputs up to this many characters (strings plus one per value) render in the caller's
+# thread: about a millisecond of work, less than a hop to the pool and back costs a busy
+# event loop. Larger ones go to the pool so they never hold up the loop.
+_INLINE_MAX_CHARS = 8192
+# Exact types whose attribute safety depends on the attribute name alone, so the sandbox's
+# answer can be remembered per (type, name).
+_PLAIN_ATTR_TYPES = frozenset({dict, list, tuple, str, int, float, bool, type(None), LoopContext})
+_MAX_REMEMBERED_ATTRS = 4096
 
 
 class ChatTemplateError(ValueError):
@@ -191,6 +204,7 @@ class _SandboxEnvironment(ImmutableSandboxedEnvironment):
             extensions=[jinja2.ext.loopcontrols, _GenerationTag],
         )
         self.max_value_chars = max_value_chars
+        self._safe_attrs: dict[tuple[type, str], bool] = {}
         self.filters["tojson"] = _tojson
         self.filters = {name: self._bounded_filter(fn) for name, fn in self.filters.items()}
         self.globals.update(
@@ -226,6 +240,18 @@ class _SandboxEnvironment(ImmutableSandboxedEnvironment):
 
         return bounded
 
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        kind = type(obj)
+        if kind not in _PLAIN_ATTR_TYPES:
+            return super().is_safe_attribute(obj, attr, value)
+        key = (kind, attr)
+        safe = self._safe_attrs.get(key)
+        if safe is None:
+            safe = super().is_safe_attribute(obj, attr, value)
+            if len(self._safe_attrs) < _MAX_REMEMBERED_ATTRS:  # names come from templates
+                self._safe_attrs[key] = safe
+        return safe
+
     def call(__self, __context: Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:
         __self._check_ints([*args, *kwargs.values()])
         # The sandbox's str.format wrapper keeps the format string as __wrapped__.__self__.
@@ -233,6 +259,9 @@ class _SandboxEnvironment(ImmutableSandboxedEnvironment):
         return super().call(__context, __obj, *args, **kwargs)
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "+" and type(left) is str and type(right) is str:  # most of any template
+            self._check_size(len(left) + len(right))
+            return left + right
         sized = (str, list, tuple)
         if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
             if abs(left).bit_length() * right > _MAX_POWER_BITS:
@@ -273,10 +302,18 @@ def _iterates_content(ast: jinja2.nodes.Template) -> bool:
     return any(_mentions_content(loop.iter, aliases) for loop in ast.find_all(jinja2.nodes.For))
 
 
+_PLAIN_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
 def _plain(value: Any) -> Any:
     """Rebuild request data from plain JSON types, so no object with methods reaches a template."""
-    if value is None or type(value) in (str, int, float, bool):
+    kind = type(value)
+    if kind in _PLAIN_SCALARS:
         return value
+    if kind is dict:  # the common case, ahead of the slower ABC checks below
+        return {_plain(key): _plain(item) for key, item in value.items()}
+    if kind is list:
+        return [_plain(item) for item in value]
     if isinstance(value, str):
         return str.__str__(value)
     if isinstance(value, int):
@@ -288,6 +325,42 @@ def _plain(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_plain(item) for item in value]
     return f"<{type(value).__name__}>"
+
+
+def _any_string_matches(values: Iterable[Any], search: Callable[[str], Any]) -> bool:
+    """Whether `search` finds something in any string value (not dict keys, as in
+    `_map_strings`) of plain request data."""
+    stack = list(values)
+    while stack:
+        value = stack.pop()
+        kind = type(value)
+        if kind is str:
+            if search(value) is not None:
+                return True
+        elif kind is dict:
+            stack.extend(value.values())
+        elif kind is list:
+            stack.extend(value)
+    return False
+
+
+def _fits_inline(values: Iterable[Any], budget: int) -> bool:
+    """Whether the request data holds at most `budget` characters (strings, keys included,
+    plus one per value); stops counting as soon as it is over."""
+    stack = list(values)
+    while stack:
+        value = stack.pop()
+        budget -= 1
+        if isinstance(value, str):
+            budget -= len(value)
+        elif isinstance(value, Mapping):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list | tuple):
+            stack.extend(value)
+        if budget < 0:
+            return False
+    return True
 
 
 def _map_strings(value: Any, fn: Callable[[str], str]) -> Any:
@@ -395,10 +468,88 @@ class _RenderJob:
                 _async_raise(self._thread_id, _RenderInterrupted)
 
 
+class _InlineRender:
+    """One render running in its caller's thread, as the watchdog sees it."""
+
+    __slots__ = ("thread_id", "deadline", "finished", "interrupted")
+
+    def __init__(self, thread_id: int, deadline: float) -> None:
+        self.thread_id = thread_id
+        self.deadline = deadline
+        self.finished = False
+        self.interrupted = False
+
+
+class _Watchdog:
+    """One thread that stops inline renders past their deadline, by raising
+    _RenderInterrupted into the rendering thread (the event loop's, over HTTP).
+
+    Every render of one renderer has the same budget, so renders are armed in deadline
+    order and a deque is the whole schedule. Arming costs one lock round trip; the thread
+    wakes only when the queue was empty or a deadline comes due, and drops finished renders
+    then. The lock makes "interrupt" and "finish" exclusive: an interrupt is only raised
+    into a render that has not finished, and `finish` clears one still pending, so it can
+    never fire in the caller's code after the render returned."""
+
+    def __init__(self, budget_s: float) -> None:
+        self._budget_s = budget_s
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._queue: deque[_InlineRender] = deque()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def arm(self) -> _InlineRender:
+        with self._lock:
+            render = _InlineRender(threading.get_ident(), time.monotonic() + self._budget_s)
+            self._queue.append(render)
+            if len(self._queue) == 1:
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._run, name="chat-render-watchdog", daemon=True
+                    )
+                    self._thread.start()
+                self._wakeup.notify()
+            return render
+
+    def finish(self, render: _InlineRender) -> None:
+        with self._lock:
+            render.finished = True
+            if render.interrupted:
+                _async_raise(render.thread_id, None)  # not fired yet: it must not fire later
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._wakeup.notify()
+
+    def _run(self) -> None:
+        with self._lock:
+            while not self._closed:
+                if not self._queue:
+                    self._wakeup.wait()
+                    continue
+                render = self._queue[0]
+                if render.finished:
+                    self._queue.popleft()
+                    continue
+                remaining = render.deadline - time.monotonic()
+                if remaining > 0:
+                    self._wakeup.wait(remaining)
+                    continue
+                self._queue.popleft()
+                render.interrupted = True
+                _async_raise(render.thread_id, _RenderInterrupted)
+
+
 class ChatRenderer:
     """Renders chat requests for one tokenizer: picks the template (request, `--chat-template`
     override, or the model's own), renders it in the sandbox under the deadline and output
-    budget, and tokenizes the result the way `apply_chat_template(tokenize=True)` does."""
+    budget, and tokenizes the result the way `apply_chat_template(tokenize=True)` does.
+
+    The server's own template renders in the caller's thread when the input is small (at most
+    `inline_max_chars`); request templates and large inputs render on the pool. Either way
+    the deadline interrupts the render."""
 
     def __init__(
         self,
@@ -411,15 +562,18 @@ class ChatRenderer:
         tokenize_special_text_in_content: bool = False,
         max_workers: int = 4,
         template_cache_size: int = 32,
+        inline_max_chars: int = _INLINE_MAX_CHARS,
     ) -> None:
         self.tokenizer = tokenizer
         self.chat_template = template_override or tokenizer.chat_template
         self.render_deadline_s = render_deadline_s
         self.max_output_chars = max_output_chars
         self.trust_request_chat_template = trust_request_chat_template
+        self.inline_max_chars = inline_max_chars
         self._env = _SandboxEnvironment(max_output_chars)
         self._compile = functools.lru_cache(maxsize=template_cache_size)(self._compile_uncached)
         self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="chat-render")
+        self._watchdog = _Watchdog(render_deadline_s)
         named = [("bos_token", tokenizer.bos_token), ("eos_token", tokenizer.eos_token)]
         named += [("unk_token", tokenizer.unk_token), ("pad_token", tokenizer.pad_token)]
         self._token_vars = {name: token for name, token in named if token is not None}
@@ -430,9 +584,14 @@ class ChatRenderer:
             alternatives = "|".join(map(re.escape, sorted(protected, key=len, reverse=True)))
             # User text that already holds sentinel characters is protected too, as itself.
             self._protect_re = re.compile(f"{alternatives}|{_SENTINEL_CLASS}")
+        if self.chat_template is not None:
+            # Compiled now rather than in the first request; a broken one fails per request.
+            with contextlib.suppress(ChatTemplateError):
+                self._compile(self.chat_template)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._watchdog.close()
 
     def render(
         self,
@@ -445,11 +604,14 @@ class ChatRenderer:
         chat_template_kwargs: dict[str, Any] | None = None,
         chat_template: str | None = None,
     ) -> RenderedChat:
-        """Render on the pool and wait; raises ChatTemplateTimeout past the deadline."""
-        job = self._submit(
+        """Render (inline or on the pool) and wait; raises ChatTemplateTimeout past the deadline."""
+        call, inline = self._plan(
             messages, add_generation_prompt, continue_final_message, tools, documents,
             chat_template_kwargs, chat_template,
         )  # fmt: skip
+        if inline:
+            return self._render_inline(call)
+        job = self._submit(call)
         assert job.future is not None
         try:
             return job.future.result(timeout=self.render_deadline_s)
@@ -468,11 +630,16 @@ class ChatRenderer:
         chat_template_kwargs: dict[str, Any] | None = None,
         chat_template: str | None = None,
     ) -> RenderedChat:
-        """`render` without blocking the event loop; a cancelled caller stops the render too."""
-        job = self._submit(
+        """`render` for the event loop: small renders of the server's template run inline (a
+        millisecond at most, stopped at the deadline all the same); the rest run on the pool
+        without blocking the loop, and a cancelled caller stops them too."""
+        call, inline = self._plan(
             messages, add_generation_prompt, continue_final_message, tools, documents,
             chat_template_kwargs, chat_template,
         )  # fmt: skip
+        if inline:
+            return self._render_inline(call)
+        job = self._submit(call)
         assert job.future is not None
         try:
             return await asyncio.wait_for(asyncio.wrap_future(job.future), self.render_deadline_s)
@@ -488,7 +655,7 @@ class ChatRenderer:
             f"chat template rendering took longer than {self.render_deadline_s:g}s"
         )
 
-    def _submit(
+    def _plan(
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool,
@@ -497,7 +664,8 @@ class ChatRenderer:
         documents: list[dict[str, Any]] | None,
         chat_template_kwargs: dict[str, Any] | None,
         chat_template: str | None,
-    ) -> _RenderJob:
+    ) -> tuple[Callable[[], RenderedChat], bool]:
+        """The render as a call, and whether it may run in the caller's thread."""
         # The cheap checks run in the caller, so they fail fast and never queue.
         if chat_template is not None and not self.trust_request_chat_template:
             raise RequestTemplateNotAllowed(
@@ -522,14 +690,29 @@ class ChatRenderer:
         for name, value in (("tools", tools), ("documents", documents)):
             if value is not None and not all(isinstance(item, Mapping) for item in value):
                 raise ChatTemplateError(f"{name} must be a list of objects")
-        job = _RenderJob(
-            functools.partial(
-                self._render_now, source, messages, add_generation_prompt,
-                continue_final_message, tools, documents, kwargs,
-            )
+        call = functools.partial(
+            self._render_now, source, messages, add_generation_prompt,
+            continue_final_message, tools, documents, kwargs,
         )  # fmt: skip
+        inline = chat_template is None and _fits_inline(
+            (messages, tools, documents, kwargs), self.inline_max_chars
+        )
+        return call, inline
+
+    def _submit(self, call: Callable[[], RenderedChat]) -> _RenderJob:
+        job = _RenderJob(call)
         job.future = self._executor.submit(job.run)
         return job
+
+    def _render_inline(self, call: Callable[[], RenderedChat]) -> RenderedChat:
+        render = self._watchdog.arm()
+        try:
+            try:
+                return call()
+            finally:
+                self._watchdog.finish(render)
+        except _RenderInterrupted:  # also when it fired inside `finish`, before the lock
+            raise self._timeout() from None
 
     def _compile_uncached(self, source: str) -> tuple[jinja2.Template, bool]:
         try:
@@ -554,7 +737,9 @@ class ChatRenderer:
         chat = _prepare_messages(messages, content_parts)
         tools, documents, kwargs = _plain(tools), _plain(documents), _plain(kwargs)
         by_sentinel: dict[str, str] = {}
-        if self._protect_re is not None:
+        if self._protect_re is not None and _any_string_matches(
+            (chat, tools, documents, kwargs), self._protect_re.search
+        ):
             (chat, tools, documents, kwargs), by_sentinel = _protect(
                 (chat, tools, documents, kwargs), self._protect_re
             )
@@ -589,7 +774,7 @@ class ChatRenderer:
         tokenizer = self.tokenizer
         if not by_sentinel:
             # Nothing protected: one encode of the whole text, exactly as transformers does.
-            return RenderedChat(text, tokenizer.encode(text, add_special_tokens=False))
+            return RenderedChat(text, tokenizer.encode_text(text))
         pieces, token_ids = [], []
         for index, piece in enumerate(_SENTINEL_SPLIT.split(text)):
             original = by_sentinel.get(piece) if index % 2 else None
@@ -598,7 +783,7 @@ class ChatRenderer:
                 token_ids += tokenizer.encode_plain(original)
             elif piece:
                 pieces.append(piece)
-                token_ids += tokenizer.encode(piece, add_special_tokens=False)
+                token_ids += tokenizer.encode_text(piece)
         return RenderedChat("".join(pieces), token_ids)
 
 

@@ -121,6 +121,11 @@ class Generation:
             await stream.abort()
 
     @property
+    def worker_addresses(self) -> list[str]:
+        """Where each submitted choice went."""
+        return [stream.worker_address for stream in self._streams]
+
+    @property
     def num_completion_tokens(self) -> int:
         return sum(len(total.token_ids) for total in self.totals)
 

@@ -93,6 +93,12 @@ class GenerationMetrics:
             ["finish_reason"],
             registry=registry,
         )
+        self.routed = Counter(
+            "duet_render_requests_routed",
+            "Choices sent to each worker.",
+            ["worker"],
+            registry=registry,
+        )
         if worker_statuses is not None:
             registry.register(_WorkerCollector(worker_statuses))
 
@@ -110,6 +116,8 @@ class GenerationMetrics:
         self.generation_tokens.inc(generation.num_completion_tokens)
         for totals in generation.totals:
             self.requests.labels(totals.finish_reason or "abort").inc()
+        for address in generation.worker_addresses:
+            self.routed.labels(address).inc()
 
     async def recorded(
         self, generation: Generation, chunks: AsyncIterator[bytes]

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import threading
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -47,6 +50,16 @@ _PRE_TOKENIZER_SPLITS: dict[str, str] = {
 }
 
 
+# Pre-tokenizers that treat each piece of text between added tokens on its own. Metaspace is
+# one only when it prepends always or never: with "first" it looks at where a piece starts.
+_PIECEWISE_PRE_TOKENIZERS = frozenset(
+    {"ByteLevel", "Split", "Digits", "Punctuation", "Whitespace", "WhitespaceSplit",
+     "BertPreTokenizer", "UnicodeScripts", "CharDelimiterSplit"}
+)  # fmt: skip
+_PIECEWISE_MODELS = frozenset({"BPE", "WordPiece", "WordLevel", "Unigram"})
+_PIECE_CACHE_MAX_TOKENS = 4096  # beyond this many added tokens the split regex gets slow
+
+
 class TokenizerLoadError(ValueError):
     """The model's files describe no tokenizer we can build."""
 
@@ -69,6 +82,7 @@ class Tokenizer:
         unk_token: str | None = None,
         pad_token: str | None = None,
         digest: str | None = None,
+        piece_cache_chars: int = 1 << 22,
     ) -> None:
         self.hf = hf
         self.vocab_size = max(vocab_size, hf.get_vocab_size(with_added_tokens=True))
@@ -94,6 +108,7 @@ class Tokenizer:
         # is state on the tokenizer object, so flipping it on `hf` would race with other threads.
         self._plain = HFTokenizer.from_str(canonical)
         self._plain.encode_special_tokens = True
+        self._pieces = _PieceCache.for_tokenizer(hf, piece_cache_chars)
 
     @classmethod
     def from_source(cls, source: ModelSource) -> Tokenizer:
@@ -104,6 +119,14 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """`encode(text, add_special_tokens=False)`, reusing the ids of pieces of text (the
+        runs between added tokens) seen before: a chat's earlier turns and system prompt
+        come back with every request."""
+        if self._pieces is None:
+            return self.hf.encode(text, add_special_tokens=False).ids
+        return self._pieces.encode(text)
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         encodings = self.hf.encode_batch(texts, add_special_tokens=add_special_tokens)
@@ -122,6 +145,117 @@ class Tokenizer:
     def token_strs(self, token_ids: Sequence[int]) -> list[str]:
         # Ids past the vocabulary (padding rows of the embedding) have no text.
         return [self.hf.id_to_token(token_id) or "" for token_id in token_ids]
+
+
+class _PieceCache:
+    """Token ids of the pieces of text between added tokens, remembered up to a budget.
+
+    Exact by construction: `tokenizers` first cuts the text at its added tokens (leftmost-
+    longest match, the non-normalized ones on the raw text), then normalizes, pre-tokenizes
+    and runs the model on each piece alone. So the ids of a text are the ids of its pieces
+    and of its added tokens, in order; `for_tokenizer` builds a cache only for pipelines where
+    nothing looks across a piece (no truncation, padding, BPE dropout, "first"-only prefix,
+    or added tokens that strip spaces around them), and checks itself on probe texts.
+
+    A hit is faster than a miss, so a client could time whether some exact text was sent
+    recently; that is the trade prefix caching on the workers makes too (and much louder).
+    """
+
+    def __init__(self, hf: HFTokenizer, cut_at: list[str], max_chars: int) -> None:
+        self._hf = hf
+        # Longest first: Python's leftmost-first alternation then picks what the
+        # leftmost-longest Aho-Corasick matcher of `tokenizers` picks.
+        alternatives = "|".join(map(re.escape, sorted(cut_at, key=len, reverse=True)))
+        self._splitter = re.compile(f"({alternatives or '(?!)'})")
+        self._added_ids = {content: hf.token_to_id(content) for content in cut_at}
+        self._max_chars = max_chars
+        self._entries: dict[str, array[int]] = {}
+        self._chars = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_tokenizer(cls, hf: HFTokenizer, max_chars: int) -> _PieceCache | None:
+        """A cache for `hf`, or None when its pipeline is not piecewise (or max_chars is 0)."""
+        added = list(hf.get_added_tokens_decoder().values())
+        cut_first = [token for token in added if not token.normalized]
+        if (
+            max_chars <= 0
+            or hf.truncation is not None
+            or hf.padding is not None
+            or hf.encode_special_tokens
+            or not _is_piecewise_model(hf)
+            or (hf.pre_tokenizer is not None and not _is_piecewise_pre_tokenizer(hf))
+            or len(added) > _PIECE_CACHE_MAX_TOKENS
+            or any(token.lstrip or token.rstrip or token.single_word for token in cut_first)
+        ):
+            return None
+        cache = cls(hf, list({token.content for token in cut_first}), max_chars)
+        return cache if cache._agrees_on_probes([token.content for token in added]) else None
+
+    def _agrees_on_probes(self, added: list[str]) -> bool:
+        samples = ["Hello world", " x  y\n\n", "é漢字 123 ", "  "]
+        tokens = added[:16]
+        text = "".join(f"{samples[i % 4]}{token}{token}" for i, token in enumerate(tokens))
+        probes = [*samples, *tokens, text, text[1:], f"  {text} "]
+        want = [self._hf.encode(probe, add_special_tokens=False).ids for probe in probes]
+        got = [self.encode(probe) for probe in probes]
+        got_again = [self.encode(probe) for probe in probes]  # from the cache this time
+        self.clear()
+        return want == got == got_again
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._chars = 0
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        entries = self._entries
+        for index, piece in enumerate(self._splitter.split(text)):
+            if index % 2:  # the splitter's group: an added token
+                ids.append(self._added_ids[piece])
+            elif piece:
+                cached = entries.get(piece)
+                if cached is None:
+                    cached = array("I", self._hf.encode(piece, add_special_tokens=False).ids)
+                    self._store(piece, cached)
+                ids += cached
+        return ids
+
+    def _store(self, piece: str, ids: array[int]) -> None:
+        size = len(piece)
+        if size > self._max_chars // 64:  # one huge piece would flush everything else
+            return
+        with self._lock:
+            if piece in self._entries:
+                return
+            entries = self._entries
+            while entries and self._chars + size > self._max_chars:
+                oldest = next(iter(entries))
+                del entries[oldest]
+                self._chars -= len(oldest)
+            entries[piece] = ids
+            self._chars += size
+
+
+def _is_piecewise_model(hf: HFTokenizer) -> bool:
+    kind = type(hf.model).__name__
+    return kind in _PIECEWISE_MODELS and not (kind == "BPE" and hf.model.dropout)
+
+
+def _is_piecewise_pre_tokenizer(hf: HFTokenizer) -> bool:
+    def piecewise(spec: dict[str, Any]) -> bool:
+        kind = spec.get("type")
+        if kind == "Sequence":
+            return all(piecewise(inner) for inner in spec.get("pretokenizers", []))
+        if kind == "Metaspace":
+            return spec.get("prepend_scheme") in ("always", "never")
+        return kind in _PIECEWISE_PRE_TOKENIZERS
+
+    try:
+        return piecewise(json.loads(hf.pre_tokenizer.__getstate__()))
+    except (TypeError, ValueError, AttributeError):
+        return False
 
 
 def _bytes_to_unicode() -> dict[int, str]:

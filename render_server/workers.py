@@ -32,6 +32,7 @@ from shared.protocol import (
     ClientHeartbeat,
     Deltas,
     Encoder,
+    FinishReason,
     Generate,
     Heartbeat,
     Hello,
@@ -109,6 +110,8 @@ def _merge(into: RequestDelta, new: RequestDelta) -> None:
         into.num_cached_tokens = new.num_cached_tokens
     if new.error is not None:
         into.error = new.error
+    if into.queue_time is None:
+        into.queue_time = new.queue_time  # only a request's first delta carries it
 
 
 class RequestStream:
@@ -129,7 +132,7 @@ class RequestStream:
         self.worker_address = link.address
         self.request = request
         self.output_token_ids: list[int] = []
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self._link = link
         self._pending: deque[RequestDelta] = deque()
         self._error: WorkerError | None = None
@@ -160,8 +163,8 @@ class RequestStream:
                     finally:
                         self._waiter = None
         finally:
-            # An early `break` (the generator is closed), a cancelled consumer or an
-            # exception in its loop body all land here while the worker still runs it.
+            # A cancelled consumer lands here at once; an early `break` or an exception in
+            # the consumer's loop body when the abandoned generator is closed or collected.
             self._cancel()
 
     async def abort(self) -> None:
@@ -230,12 +233,15 @@ class _WorkerLink:
         self.alive = False
         self.last_seen = 0.0  # monotonic time of its last frame of any kind
         self.last_heartbeat = 0.0
+        self.hello_sent_at = 0.0  # monotonic
         self.stats: WorkerStats | None = None
         self.streams: dict[str, RequestStream] = {}
         self.closed = False
         self._pool = pool
         self._loop = loop
-        self._backlog: deque[bytes] = deque()  # frames the full pipe refused, in order
+        # Frames the full pipe refused, in order; retried every heartbeat round (the pipe
+        # only fills when the worker stops reading, i.e. it is about to be marked dead).
+        self._backlog: deque[bytes] = deque()
         self._aborts: list[str] = []
         self._drain_scheduled = False
         self._fd = socket.getsockopt(zmq.FD)
@@ -390,7 +396,7 @@ class WorkerPool:
             socket = make_dealer(self._context, address, identity=self._identity, curve=self._curve)
             link = _WorkerLink(self, address, socket, loop)
             self._links.append(link)
-            link.send_frame(self._hello)
+            self._say_hello(link)
         self._monitor = loop.create_task(self._monitor_loop(), name="duet-worker-monitor")
         try:
             await asyncio.wait_for(self._any_welcome.wait(), ready_timeout_s)
@@ -441,7 +447,11 @@ class WorkerPool:
         return any(link.welcomed and link.alive for link in self._links)
 
     async def submit(self, request: Generate) -> RequestStream:
-        """Choose a worker for `request`, send it, and return its stream."""
+        """Choose a worker for `request`, send it, and return its stream.
+
+        Raises WorkerError("no_workers") when no accepted worker is alive, and ValueError
+        when a request with the same id is still in flight in this pool.
+        """
         links = [link for link in self._links if link.welcomed and link.alive]
         if not links:
             raise WorkerError("no_workers", "no live worker to send the request to")
@@ -497,7 +507,7 @@ class WorkerPool:
                 error = f"worker {link.address} rejected the request: {message.message}"
                 stream._fail(WorkerError("rejected", error, reject_code=message.code))
             if message.code == "protocol":
-                link.send_frame(self._hello)  # it restarted and forgot us: introduce again
+                self._say_hello(link)  # it restarted and forgot us: introduce again
         elif kind is Welcome:
             self._on_welcome(link, message)
         if link.welcomed and not link.alive:
@@ -553,12 +563,21 @@ class WorkerPool:
 
     def _send_heartbeats(self) -> None:
         beat = self._encoder.encode(ClientHeartbeat(sent_at=time.time()))
+        now = time.monotonic()
         for link in self._links:
             if link.refused:
                 continue
             link.flush_backlog()
-            # A worker not (or no longer) answering may have restarted and forgotten us.
-            link.send_frame(beat if link.alive else self._hello)
+            if link.alive:
+                link.send_frame(beat)
+            elif now - link.hello_sent_at >= self.heartbeat_timeout_s:
+                # Not (or no longer) answering: it may have restarted and forgotten us.
+                # Not every beat, since ZMQ queues them all for a worker that is down.
+                self._say_hello(link)
+
+    def _say_hello(self, link: _WorkerLink) -> None:
+        link.hello_sent_at = time.monotonic()
+        link.send_frame(self._hello)
 
     def _lose(self, link: _WorkerLink) -> None:
         link.alive = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -49,6 +50,7 @@ def worker() -> Iterator[str]:
         ],
         stdout=subprocess.PIPE,
         text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert process.stdout is not None
     deadline = time.monotonic() + STARTUP_TIMEOUT_S

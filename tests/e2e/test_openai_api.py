@@ -231,7 +231,7 @@ def test_disconnect_mid_stream_frees_the_worker(
                 break
         idle_after = time.monotonic() - closed_at
         assert stats.kv_blocks_free == stats.kv_blocks_total
-        assert idle_after < 1.5, f"KV idle only after {idle_after:.2f}s"
+        assert idle_after < 1.0, f"KV idle only after {idle_after:.2f}s"
     finally:
         probe.close()
 

@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="seconds between heartbeats to each render server",
     )
+    add(
+        "--client-timeout",
+        type=float,
+        default=10.0,
+        help="free the requests of a render server silent this many seconds",
+    )
     add("--log-level", default="info", help="debug, info, warning or error")
     return parser
 
@@ -107,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         worker_id=args.worker_id or args.bind,
         curve=curve,
         heartbeat_interval_s=args.heartbeat_interval,
+        client_timeout_s=args.client_timeout,
         gpu_reader=Nvml(engine.device),
     )
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -65,6 +65,7 @@ class ServerCounters:
     rejected: int = 0
     duplicates: int = 0
     send_retries: int = 0
+    reaped_clients: int = 0
 
 
 @dataclass
@@ -73,6 +74,8 @@ class _Client:
     number: int
     last_seen: float
     request_ids: set[str] = field(default_factory=set)
+    sends_heartbeats: bool = False
+    """It has sent a ClientHeartbeat, so its silence means it is gone."""
 
 
 def merge_delta(into: RequestDelta, new: RequestDelta) -> None:
@@ -266,6 +269,7 @@ class WorkerServer:
         curve: CurveKeys | None = None,
         heartbeat_interval_s: float = 1.0,
         stall_limit_s: float = 60.0,
+        client_timeout_s: float = 10.0,
         gpu_reader: object | None = None,
     ) -> None:
         self.engine = engine
@@ -284,6 +288,7 @@ class WorkerServer:
             stall_limit_s,
         )
         self._heartbeat_interval_s = heartbeat_interval_s
+        self._client_timeout_s = client_timeout_s
         self._gpu_reader = gpu_reader
         self._clients: dict[bytes, _Client] = {}
         self._client_numbers = itertools.count()
@@ -310,12 +315,27 @@ class WorkerServer:
                 self._io.loop_alive_at = now
                 if now >= next_stats:
                     self._publish_stats()
+                    self._reap_silent_clients(now)
                     next_stats = now + self._heartbeat_interval_s / 2
         finally:
             self._io.stop()
             self._io.join(timeout=5)
             self._router.close()
             self._context.term()
+
+    def _reap_silent_clients(self, now: float) -> None:
+        """Free the requests of render processes that stopped heartbeating (killed, or
+        partitioned away), so their KV blocks do not leak."""
+        for client in list(self._clients.values()):
+            if client.sends_heartbeats and now - client.last_seen > self._client_timeout_s:
+                logger.warning(
+                    "render client %d silent for %.1fs: aborting its %d requests",
+                    client.number,
+                    now - client.last_seen,
+                    len(client.request_ids),
+                )
+                self.counters.reaped_clients += 1
+                self._forget_client(client.identity)
 
     def _drain_inbound(self, block_for: float) -> None:
         try:
@@ -361,7 +381,7 @@ class WorkerServer:
             if keys:
                 self.engine.abort(keys)
         elif isinstance(message, ClientHeartbeat):
-            pass
+            client.sends_heartbeats = True
 
     @staticmethod
     def _key(client: _Client, request_id: str) -> str:

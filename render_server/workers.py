@@ -24,7 +24,13 @@ from typing import Literal
 
 import zmq
 
-from render_server.routing import PrefixAffinity, WorkerLoad, affinity_hashes, choose_worker
+from render_server.routing import (
+    PrefixAffinity,
+    WorkerLoad,
+    affinity_hashes,
+    choose_worker,
+    continuation,
+)
 from shared.model_card import ModelCard
 from shared.protocol import (
     MAX_BATCH,
@@ -364,6 +370,8 @@ class WorkerPool:
         """Frames from workers that did not decode (dropped)."""
         self.unknown_deltas = 0
         """Deltas for requests no longer tracked (aborted or lost), dropped."""
+        self.failovers = 0
+        """Requests resumed on another worker after theirs was lost."""
         self._curve = curve
         self._identity = uuid.uuid4().bytes
         self._encoder = Encoder()
@@ -582,13 +590,42 @@ class WorkerPool:
     def _lose(self, link: _WorkerLink) -> None:
         link.alive = False
         silent = time.monotonic() - link.last_seen
+        streams = list(link.streams.values())
+        moved = 0
+        for stream in streams:
+            # Aborted there now, so a worker that resumes frees its KV blocks at once.
+            link.abort(stream.request_id)
+            if self._move(stream, exclude=link):
+                moved += 1
+            else:
+                stream._fail(
+                    WorkerError("worker_lost", f"worker {link.address} stopped responding")
+                )
         logger.warning(
-            "worker %s silent for %.1fs: marked dead, failing %d requests",
+            "worker %s silent for %.1fs: marked dead; %d of %d requests moved to other workers",
             link.address,
             silent,
-            len(link.streams),
+            moved,
+            len(streams),
         )
-        self._fail_all(link, "worker_lost", f"worker {link.address} stopped responding")
+
+    def _move(self, stream: RequestStream, exclude: _WorkerLink) -> bool:
+        """Resume a stream on another live worker: the tokens it already streamed join
+        the prompt, so the client's stream goes on with nothing lost or repeated."""
+        links = [
+            candidate
+            for candidate in self._links
+            if candidate is not exclude and candidate.welcomed and candidate.alive
+        ]
+        if not links:
+            return False
+        target = links[choose_worker([candidate.load() for candidate in links])]
+        stream._link = target
+        stream.worker_address = target.address
+        target.streams[stream.request_id] = stream
+        target.send(continuation(stream.request, stream.output_token_ids))
+        self.failovers += 1
+        return True
 
     def _fail_all(self, link: _WorkerLink, code: WorkerErrorCode, message: str) -> None:
         for stream in list(link.streams.values()):

@@ -33,11 +33,11 @@ class WorkerProcess:
     address: str
 
 
-def start_worker(log_path: Path) -> WorkerProcess:
+def start_worker(log_path: Path, extra_args: list[str] | None = None) -> WorkerProcess:
     command = [
         sys.executable, "-m", "gpu_worker.cli", "--bind", "tcp://127.0.0.1:*",
         "--device", "cpu", "--kv-cache-memory-gb", "0.1", "--max-num-seqs", "64",
-        "--heartbeat-interval", "0.2", "--log-level", "warning",
+        "--heartbeat-interval", "0.2", "--log-level", "warning", *(extra_args or []),
     ]  # fmt: skip
     # One torch thread per worker: several processes share 2 cores in the suite, and
     # oversubscribed OpenMP threads slow every step by an order of magnitude.
@@ -57,9 +57,11 @@ def start_worker(log_path: Path) -> WorkerProcess:
     pytest.fail(f"gpu-worker did not start:\n{log_path.read_text(errors='replace')}")
 
 
-def start_render(workers: list[str], log_path: Path) -> ServerProcess:
+def start_render(
+    workers: list[str], log_path: Path, extra_args: list[str] | None = None
+) -> ServerProcess:
     port = free_port()
-    command = [sys.executable, "-m", "render_server.cli", "--port", str(port)]
+    command = [sys.executable, "-m", "render_server.cli", "--port", str(port), *(extra_args or [])]
     for address in workers:
         command += ["--worker", address]
     env = {key: value for key, value in os.environ.items() if not key.startswith("DUET_")}

@@ -1,0 +1,182 @@
+"""Fault tests with real processes: a worker killed mid-stream, the only worker killed,
+a render server killed. Each is bounded in time."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import WorkerProcess, start_render, start_worker
+from tests.integration.conftest import ServerProcess, stop_server
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPTS = [
+    "List the days of the week.",
+    "Count from one to twenty in words.",
+    "Name the planets of the solar system in order.",
+    "Spell the English alphabet with commas.",
+]
+
+
+def _kill(worker: WorkerProcess) -> None:
+    if worker.process.poll() is None:
+        worker.process.send_signal(signal.SIGKILL)
+        worker.process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[WorkerProcess, WorkerProcess, ServerProcess]]:
+    base = tmp_path_factory.mktemp("faults")
+    first = start_worker(base / "w1.log")
+    second = start_worker(base / "w2.log")
+    render = start_render(
+        [first.address, second.address], base / "render.log", ["--heartbeat-timeout", "2"]
+    )
+    yield first, second, render
+    stop_server(render)
+    for worker in (first, second):
+        _kill(worker)
+
+
+def _body(prompt: str, stream: bool) -> dict:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 48,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+
+def _stream_text(server: ServerProcess, prompt: str, started: threading.Event) -> dict:
+    text, finish, errors = [], None, []
+    with (
+        httpx.Client(base_url=server.base_url, timeout=60) as http,
+        http.stream("POST", "/v1/chat/completions", json=_body(prompt, True)) as response,
+    ):
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                errors.append(event["error"])
+                continue
+            for choice in event["choices"]:
+                if choice["delta"].get("content"):
+                    text.append(choice["delta"]["content"])
+                    started.set()
+                finish = choice.get("finish_reason") or finish
+    return {"text": "".join(text), "finish": finish, "errors": errors}
+
+
+def test_kill_a_worker_mid_stream_every_stream_completes_identically(cluster) -> None:
+    first, second, render = cluster
+    reference = {
+        prompt: httpx.post(
+            f"{render.base_url}/v1/chat/completions", json=_body(prompt, False), timeout=120
+        ).json()["choices"][0]["message"]["content"]
+        for prompt in PROMPTS
+    }
+    results: dict[str, dict] = {}
+    started = [threading.Event() for _ in PROMPTS]
+
+    def run(index: int, prompt: str) -> None:
+        results[prompt] = _stream_text(render, prompt, started[index])
+
+    threads = [threading.Thread(target=run, args=pair) for pair in enumerate(PROMPTS)]
+    for thread in threads:
+        thread.start()
+    for event in started:
+        assert event.wait(60), "streams did not start"
+    _kill(second)  # every stream it served must move to the first worker
+    for thread in threads:
+        thread.join(120)
+    for prompt in PROMPTS:
+        result = results[prompt]
+        assert result["errors"] == [], result["errors"]
+        assert result["finish"] == "length"
+        assert result["text"] == reference[prompt]
+    metrics = httpx.get(f"{render.base_url}/metrics").text
+    assert "duet_worker_alive" in metrics
+
+
+def test_kill_the_only_worker_fails_fast(tmp_path_factory: pytest.TempPathFactory) -> None:
+    base = tmp_path_factory.mktemp("only-worker")
+    worker = start_worker(base / "w.log")
+    render = start_render([worker.address], base / "render.log", ["--heartbeat-timeout", "2"])
+    try:
+        started = threading.Event()
+        outcome: dict = {}
+        thread = threading.Thread(
+            target=lambda: outcome.update(_stream_text(render, PROMPTS[0], started))
+        )
+        thread.start()
+        assert started.wait(60)
+        killed_at = time.monotonic()
+        _kill(worker)
+        thread.join(10)
+        assert not thread.is_alive(), "the stream hung"
+        assert time.monotonic() - killed_at < 5
+        assert outcome["errors"] and outcome["errors"][0]["code"] == "worker_lost"
+        response = httpx.post(
+            f"{render.base_url}/v1/chat/completions", json=_body("hi", False), timeout=10
+        )
+        assert response.status_code == 503
+        assert response.headers.get("retry-after")
+        assert httpx.get(f"{render.base_url}/ready").status_code == 503
+    finally:
+        stop_server(render)
+        _kill(worker)
+
+
+def test_kill_a_render_server_frees_its_requests_on_the_worker(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    from tests.e2e.test_openai_api import _Heartbeats
+
+    base = tmp_path_factory.mktemp("render-dies")
+    worker = start_worker(base / "w.log", ["--client-timeout", "2"])
+    render = start_render([worker.address], base / "render.log")
+    probe = _Heartbeats(worker.address)
+    try:
+        started = threading.Event()
+        body = {**_body(PROMPTS[1], True), "max_tokens": 2000}
+
+        def stream() -> None:
+            try:
+                with (
+                    httpx.Client(base_url=render.base_url, timeout=60) as http,
+                    http.stream("POST", "/v1/chat/completions", json=body) as response,
+                ):
+                    for line in response.iter_lines():
+                        if '"content"' in line and '"content":""' not in line:
+                            started.set()
+            except httpx.HTTPError:
+                pass  # the server is killed under it
+
+        threading.Thread(target=stream, daemon=True).start()
+        assert started.wait(60)
+        deadline = time.monotonic() + 5
+        while probe.latest(1.0).stats.num_running < 1:
+            assert time.monotonic() < deadline, "the worker never showed the request running"
+        os.kill(render.process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            stats = probe.latest(1.0).stats
+            if stats.num_running == 0 and stats.kv_blocks_free == stats.kv_blocks_total:
+                return
+        raise AssertionError("the worker kept the dead render server's request")
+    finally:
+        probe.close()
+        stop_server(render)
+        _kill(worker)

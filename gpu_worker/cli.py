@@ -50,10 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--no-prefix-caching", action="store_true", help="disable prefix caching")
     add("--max-waiting", type=int, default=4096, help="queued requests before queue_full")
     add(
-        "--zmq-curve-secret-key",
+        "--zmq-curve-dir",
         type=Path,
         default=None,
-        help="CURVE secret key file (zmq.auth format) to encrypt the socket",
+        help="encrypt with CURVE and admit only render servers whose public keys are in "
+        "DIR/authorized (see shared/curve.py; `python -m shared.curve DIR` makes keys)",
     )
     add(
         "--heartbeat-interval",
@@ -99,19 +100,18 @@ def main(argv: list[str] | None = None) -> int:
     from gpu_worker.device import Nvml
     from gpu_worker.engine import Engine
     from gpu_worker.server import WorkerServer
-    from shared.transport import CurveKeys
 
     try:
         engine = Engine(**vars(config))
     except (ModelNotFoundError, ValueError) as exc:
         print(f"gpu-worker: error: {exc}", file=sys.stderr)
         return 2
-    curve = CurveKeys.from_files(args.zmq_curve_secret_key) if args.zmq_curve_secret_key else None
+    curve_dir = args.zmq_curve_dir
     server = WorkerServer(
         engine,
         args.bind,
         worker_id=args.worker_id or args.bind,
-        curve=curve,
+        curve_dir=curve_dir,
         heartbeat_interval_s=args.heartbeat_interval,
         client_timeout_s=args.client_timeout,
         gpu_reader=Nvml(engine.device),

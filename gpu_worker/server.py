@@ -18,11 +18,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import zmq
 
 from gpu_worker.errors import RequestRejected
+from shared.curve import start_authenticator, worker_keys
 from shared.model_card import ModelCard
 from shared.protocol import (
     Abort,
@@ -40,7 +42,7 @@ from shared.protocol import (
     Welcome,
     WorkerStats,
 )
-from shared.transport import CurveKeys, bound_endpoint, make_router
+from shared.transport import bound_endpoint, make_router
 
 logger = logging.getLogger(__name__)
 
@@ -266,7 +268,7 @@ class WorkerServer:
         bind: str,
         *,
         worker_id: str = "worker",
-        curve: CurveKeys | None = None,
+        curve_dir: Path | None = None,
         heartbeat_interval_s: float = 1.0,
         stall_limit_s: float = 60.0,
         client_timeout_s: float = 10.0,
@@ -276,6 +278,12 @@ class WorkerServer:
         self.worker_id = worker_id
         self.counters = ServerCounters()
         self._context = zmq.Context()
+        self._authenticator = None
+        curve = None
+        if curve_dir is not None:
+            # The ZAP handler must run before the socket binds, or early peers skip it.
+            self._authenticator = start_authenticator(self._context, curve_dir)
+            curve = worker_keys(curve_dir)
         self._router = make_router(self._context, bind, curve=curve)
         self.endpoint = bound_endpoint(self._router)
         self._inbound: queue.Queue = queue.Queue()
@@ -321,6 +329,8 @@ class WorkerServer:
             self._io.stop()
             self._io.join(timeout=5)
             self._router.close()
+            if self._authenticator is not None:
+                self._authenticator.stop()
             self._context.term()
 
     def _reap_silent_clients(self, now: float) -> None:

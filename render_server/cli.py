@@ -117,6 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"a worker silent this long is dead (default: {_default('heartbeat_timeout_s')})",
     )
     workers.add_argument(
+        "--zmq-curve-dir",
+        type=Path,
+        metavar="DIR",
+        help="encrypt worker traffic with CURVE: DIR holds render.key_secret and the "
+        "worker's public worker.key (see shared/curve.py)",
+    )
+    workers.add_argument(
         "--max-n",
         type=int,
         metavar="N",

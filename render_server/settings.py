@@ -106,6 +106,8 @@ class RenderSettings(BaseSettings):
     """How long to wait for the embedded worker to load its model."""
     heartbeat_timeout_s: float = Field(default=3.0, gt=0)
     """A worker silent this long is dead; its requests fail or move."""
+    zmq_curve_dir: Path | None = None
+    """CURVE keys to reach workers on untrusted networks (render.key_secret, worker.key)."""
     max_n: int = Field(default=16, ge=1, le=128)
     """Largest `n` a request may ask for."""
     access_log: bool = False

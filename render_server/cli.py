@@ -7,7 +7,9 @@ actually given are passed to RenderSettings, the rest it reads from the environm
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -122,6 +124,29 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="encrypt worker traffic with CURVE: DIR holds render.key_secret and the "
         "worker's public worker.key (see shared/curve.py)",
+    )
+    workers.add_argument(
+        "--max-pending",
+        type=int,
+        metavar="N",
+        help="generation requests in flight per process before 429 "
+        f"(default: {_default('max_pending')})",
+    )
+    workers.add_argument(
+        "--write-timeout",
+        dest="write_timeout_s",
+        type=float,
+        metavar="SECONDS",
+        help="cut off a client that stops reading its stream for this long "
+        f"(default: {_default('write_timeout_s')})",
+    )
+    workers.add_argument(
+        "--drain-timeout",
+        dest="drain_timeout_s",
+        type=float,
+        metavar="SECONDS",
+        help="on SIGTERM, /ready turns 503 and in-flight streams get this long to finish "
+        f"(default: {_default('drain_timeout_s')})",
     )
     workers.add_argument(
         "--max-n",
@@ -291,7 +316,7 @@ def _serve(settings: RenderSettings) -> None:
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -307,6 +332,41 @@ def _serve(settings: RenderSettings) -> None:
         timeout_keep_alive=settings.timeout_keep_alive_s,
         server_header=False,
     )
+    state = app.state.render
+    DrainingServer(config, state.admission, settings.drain_timeout_s).run()
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn that drains on the first SIGTERM: /ready turns 503 and new generation
+    requests are refused (so a load balancer moves on), in-flight streams get up to
+    `drain_timeout_s` to finish, then the server exits 0. A second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, admission: Any, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self._admission = admission
+        self._drain_timeout_s = drain_timeout_s
+        self._draining = False
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self._draining or self._admission is None or sig != signal.SIGTERM:
+            super().handle_exit(sig, frame)
+            return
+        self._draining = True
+        self._admission.draining = True
+        logging.getLogger(__name__).info(
+            "SIGTERM: draining %d in-flight requests (up to %.0fs)",
+            self._admission.in_flight,
+            self._drain_timeout_s,
+        )
+        asyncio.get_event_loop().call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        finished = await self._admission.wait_idle(self._drain_timeout_s)
+        if not finished:
+            logging.getLogger(__name__).warning(
+                "drain timeout: %d requests still in flight", self._admission.in_flight
+            )
+        self.should_exit = True
 
 
 if __name__ == "__main__":

@@ -108,6 +108,12 @@ class RenderSettings(BaseSettings):
     """A worker silent this long is dead; its requests fail or move."""
     zmq_curve_dir: Path | None = None
     """CURVE keys to reach workers on untrusted networks (render.key_secret, worker.key)."""
+    max_pending: int = Field(default=1024, ge=1)
+    """Generation requests in flight per render process; beyond it, 429 with Retry-After."""
+    write_timeout_s: float = Field(default=30.0, gt=0)
+    """A client that does not take a response chunk for this long is cut off."""
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+    """On SIGTERM: how long in-flight streams may run to completion before exit."""
     max_n: int = Field(default=16, ge=1, le=128)
     """Largest `n` a request may ask for."""
     access_log: bool = False

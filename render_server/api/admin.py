@@ -23,6 +23,13 @@ async def health() -> HealthResponse:
 async def ready(state: StateDep) -> Response:
     """200 when at least one worker is connected and alive (always on --render-only)."""
     pool = state.workers
+    if state.admission is not None and state.admission.draining:
+        return Response(
+            b'{"status":"draining"}',
+            status_code=503,
+            media_type="application/json",
+            headers={"Retry-After": "1"},
+        )
     if pool is None or pool.is_ready():
         return Response(b'{"status":"ready"}', media_type="application/json")
     return Response(

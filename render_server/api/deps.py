@@ -16,6 +16,7 @@ from render_server.metrics import RenderMetrics
 from render_server.settings import RenderSettings
 
 if TYPE_CHECKING:
+    from render_server.admission import Admission
     from render_server.chat_template import ChatRenderer
     from render_server.generation_metrics import GenerationMetrics
     from render_server.token_text import TokenText
@@ -42,6 +43,8 @@ class RenderState:
     token_text: TokenText
     """Cached per-token text and bytes for logprobs."""
     generation_metrics: GenerationMetrics
+    admission: Admission | None = None
+    """In-flight generation requests and the draining flag (set by create_app)."""
     workers: WorkerPool | None = None
     """The connections to the gpu-workers; None on a --render-only server."""
 

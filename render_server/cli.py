@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat-template",
         type=Path,
         metavar="FILE",
-        help="jinja file replacing the model's chat template",
+        help="jinja file replacing the model's chat template, or the name of a built-in "
+        "one: chatml_tools (hermes-style tool calling)",
     )
     model.add_argument(
         "--trust-request-chat-template",
@@ -271,6 +272,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     # Imported here so `render-serve --help` stays instant.
     from render_server.embedded import EmbeddedWorker, EmbeddedWorkerError
+    from render_server.templates import read_chat_template
     from shared.model_source import resolve_model
 
     embedded: EmbeddedWorker | None = None
@@ -279,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         try:
             resolve_model(settings.model)
             if settings.chat_template is not None:
-                settings.chat_template.read_text(encoding="utf-8")
+                read_chat_template(settings.chat_template)
         except ModelNotFoundError as exc:
             _fail(str(exc))
         except OSError as exc:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,11 @@ import pytest
 from shared.model_source import DEFAULT_MODEL, ModelNotFoundError, ModelSource, resolve_model
 
 DATA_DIR = Path(__file__).parent / "data"
+
+# Triton picks its CPU interpreter when `@triton.jit` decorates, so the flag must be set
+# before any test module imports `kernels` (directly or through the triton backend).
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,305 @@
+"""Paged decode attention: one query token per sequence, K/V read through block tables.
+
+Flash decoding. The grid is (sequence, KV head, split): one program reads one KV head's keys
+and values once for ALL the query heads that share it (GQA; the group is padded to 16 rows so
+the two products are `tl.dot`s), over one partition of the context. With several splits each
+program writes its partition's normalized output and log-sum-exp, and `_combine_splits_kernel`
+merges them; with one split the program writes the output directly.
+
+Each sequence's context is cut into `num_splits` equal partitions (rounded up to the key tile),
+so sequences of different lengths in one batch all use every split they can. The grid depends
+only on tensor shapes, never on their contents: the launcher is safe to capture in a CUDA graph
+(after a warm-up call per shape, which on a GPU also runs the autotuner).
+
+KV cache layout (gpu_worker/attention.py): `[2, num_blocks, block_size, num_kv_heads, head_dim]`,
+0 = keys, 1 = values; token `t` of a sequence sits in block `block_table[t // block_size]`
+at offset `t % block_size`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import (
+    check_attention_inputs,
+    check_launchable,
+    check_lengths,
+    dot_precision,
+    num_sms,
+)
+
+LOG2E = 1.4426950408889634
+MIN_TOKENS_PER_SPLIT = 256  # below this, a split's fixed cost outweighs the parallelism it adds
+MAX_SPLITS = 64
+PROGRAMS_PER_SM = 2  # aim for this many programs per SM before adding splits
+INTERPRETER_BLOCK_N = 32  # two 16-token blocks per key tile, so tests cross block boundaries
+
+# Decode is memory-bound: what matters is bytes in flight (tile size x pipeline depth).
+_DECODE_CONFIGS = [
+    triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=2),
+    triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_N": 128}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_N": 128}, num_warps=8, num_stages=3),
+]
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    scale_log2,
+    stride_qs,
+    stride_qh,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    stride_bts,
+    stride_os,
+    stride_oh,
+    num_heads,
+    num_splits,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + offs_g
+    head_mask = offs_g < GROUP
+    q_offs = seq * stride_qs + heads * stride_qh
+    q = tl.load(q_ptr + q_offs[:, None] + offs_d[None, :], mask=head_mask[:, None], other=0.0)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bts
+    k_base = k_cache_ptr + kv_head * stride_ch
+    v_base = v_cache_ptr + kv_head * stride_ch
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        block = tl.load(table + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        slot = block * stride_cb + (offs_n % PAGE_SIZE) * stride_ct
+        k = tl.load(k_base + slot[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        # Every tile holds at least one key (n0 < end), so m_new is finite from the first one.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + slot[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # An empty partition (short sequence, many splits) has l_i == 0: it writes zeros and a
+    # log-sum-exp of -inf, which gives it zero weight in the combine.
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    result = acc / l_safe[:, None]
+    if SINGLE_SPLIT:
+        o_offs = seq * stride_os + heads * stride_oh
+        tl.store(
+            out_ptr + o_offs[:, None] + offs_d[None, :],
+            result.to(out_ptr.dtype.element_ty),
+            mask=head_mask[:, None],
+        )
+    else:
+        # Partials are contiguous [num_seqs, num_heads, num_splits(, HEAD_DIM)] fp32.
+        rows = (seq * num_heads + heads) * num_splits + split
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(part_lse_ptr + rows, lse, mask=head_mask)
+        tl.store(
+            part_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :],
+            result,
+            mask=head_mask[:, None],
+        )
+
+
+_paged_decode_kernel_tuned = triton.autotune(
+    configs=_DECODE_CONFIGS, key=["HEAD_DIM", "GROUP_PAD", "PAGE_SIZE", "num_splits"]
+)(_paged_decode_kernel)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_os,
+    stride_oh,
+    num_heads,
+    num_splits,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    split_mask = offs_s < num_splits
+    rows = (seq * num_heads + head) * num_splits + offs_s
+    lse = tl.load(part_lse_ptr + rows, mask=split_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # a zero-length sequence: every weight is 0
+    weights = tl.exp2(lse - m)
+    total = tl.sum(weights, 0)
+    parts = tl.load(
+        part_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=split_mask[:, None],
+        other=0.0,
+    )
+    result = tl.sum(parts * weights[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(
+        out_ptr + seq * stride_os + head * stride_oh + offs_d,
+        result.to(out_ptr.dtype.element_ty),
+    )
+
+
+def choose_num_splits(
+    num_seqs: int, num_kv_heads: int, max_context: int, num_programs_target: int
+) -> int:
+    """Split the context only as far as needed to give the GPU enough programs, and never
+    below MIN_TOKENS_PER_SPLIT tokens per split."""
+    wanted = triton.cdiv(num_programs_target, max(num_seqs * num_kv_heads, 1))
+    return max(1, min(wanted, triton.cdiv(max_context, MIN_TOKENS_PER_SPLIT), MAX_SPLITS))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Decode attention: q `[num_seqs, num_heads, head_dim]` (one token per sequence) attends to
+    the first `seq_lens[i]` cached tokens of sequence i (the new token's K/V already written).
+
+    `block_tables` is `[num_seqs, max_blocks]` (padding never read); `num_splits` overrides the
+    split-K heuristic. Returns a new contiguous tensor shaped like q.
+    """
+    on_gpu = check_launchable(q, kv_cache, block_tables, seq_lens)
+    check_attention_inputs(q, kv_cache, block_tables)
+    num_seqs, num_heads, head_dim = q.shape
+    _, _, page_size, num_kv_heads, _ = kv_cache.shape
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError("block_tables must have one row per sequence of q")
+    check_lengths("seq_lens", seq_lens, num_seqs)
+    out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+
+    if num_splits is None:
+        sms = num_sms(q.device) if on_gpu else 4
+        max_context = block_tables.shape[1] * page_size
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, PROGRAMS_PER_SM * sms)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if num_splits > 1:
+        part_out = torch.empty(
+            (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(
+            (num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device
+        )
+    else:
+        part_out = part_lse = out  # unused: the kernel writes `out` directly
+
+    group = num_heads // num_kv_heads
+    args = (
+        q,
+        kv_cache[0],
+        kv_cache[1],
+        block_tables,
+        seq_lens,
+        out,
+        part_out,
+        part_lse,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        num_heads,
+        num_splits,
+    )
+    meta = dict(
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size,
+        SINGLE_SPLIT=num_splits == 1,
+        DOT_PRECISION=dot_precision(q.dtype),
+    )
+    grid = (num_seqs, num_kv_heads, num_splits)
+    if on_gpu:
+        _paged_decode_kernel_tuned[grid](*args, **meta)
+    else:
+        _paged_decode_kernel[grid](*args, **meta, BLOCK_N=INTERPRETER_BLOCK_N)
+
+    if num_splits > 1:
+        _combine_splits_kernel[(num_seqs, num_heads)](
+            part_out,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_heads,
+            num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim,
+            num_warps=4 if head_dim >= 128 else 2,
+        )
+    return out
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Plain torch, one sequence at a time, in fp32: what `paged_decode_attention` computes."""
+    page_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+    group = q.shape[1] // num_kv_heads
+    out = torch.empty_like(q)
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        blocks = block_tables[i, : math.ceil(seq_len / page_size)].long()
+        keys = kv_cache[0][blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        values = kv_cache[1][blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        keys = keys.repeat_interleave(group, dim=1)  # query head h reads KV head h // group
+        values = values.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[i].float(), keys) * scale
+        out[i] = torch.einsum("hl,lhd->hd", scores.softmax(-1), values).to(q.dtype)
+    return out

@@ -1,0 +1,139 @@
+"""Paged decode attention (split-K, GQA) against its torch reference and the torch backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker.attention import AttentionMetadata, TorchAttentionBackend
+from kernels.cache_ops import write_kv_cache
+from kernels.paged_attention import (
+    choose_num_splits,
+    paged_decode_attention,
+    paged_decode_attention_ref,
+)
+from tests.kernels.conftest import ATTENTION_TOL, random_tensor
+
+NUM_KV_HEADS = 2
+
+# seq_lens, group (= num_heads // num_kv_heads), head_dim; block size 16.
+DECODE_CASES = [
+    pytest.param([1], 1, 64, id="one-token"),
+    pytest.param([15, 16, 17], 3, 64, id="block-edges-gqa3"),
+    pytest.param([33, 80, 1], 8, 128, id="gqa8-d128"),
+    pytest.param([16, 33], 1, 128, id="mha-d128"),
+]
+
+
+def _decode_inputs(make_paged_batch, seq_lens, group, head_dim, dtype, device):
+    query_lens = [1] * len(seq_lens)
+    context_lens = [n - 1 for n in seq_lens]
+    kv_cache, meta = make_paged_batch(query_lens, context_lens, NUM_KV_HEADS, head_dim, dtype)
+    q = random_tensor(len(seq_lens), NUM_KV_HEADS * group, head_dim, dtype=dtype, device=device)
+    return q, kv_cache, meta
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    atol, rtol = ATTENTION_TOL[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize(("seq_lens", "group", "head_dim"), DECODE_CASES)
+def test_decode_matches_reference(make_paged_batch, device, dtype, seq_lens, group, head_dim):
+    q, kv_cache, meta = _decode_inputs(make_paged_batch, seq_lens, group, head_dim, dtype, device)
+    scale = head_dim**-0.5
+    out = paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale)
+    expected = paged_decode_attention_ref(q, kv_cache, meta.block_tables, meta.seq_lens, scale)
+    assert out.shape == q.shape and out.dtype == dtype
+    _assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 9])
+def test_decode_split_k(make_paged_batch, device, num_splits):
+    """Several splits, including more splits than a short sequence has key tiles (empty
+    partitions must carry zero weight) and partitions ending mid-block."""
+    dtype = torch.float32
+    seq_lens = [1, 17, 80, 130]
+    q, kv_cache, meta = _decode_inputs(make_paged_batch, seq_lens, 3, 64, dtype, device)
+    args = (q, kv_cache, meta.block_tables, meta.seq_lens, 0.125)
+    out = paged_decode_attention(*args, num_splits=num_splits)
+    _assert_close(out, paged_decode_attention_ref(*args), dtype)
+
+
+def test_decode_matches_torch_backend(make_paged_batch, device, dtype):
+    """The kernel path an engine step takes (write the new K/V, then attend) against
+    TorchAttentionBackend.forward on the same cache and metadata."""
+    seq_lens, group, head_dim = [1, 16, 17, 80], 3, 64
+    q, kv_cache, meta = _decode_inputs(make_paged_batch, seq_lens, group, head_dim, dtype, device)
+    k_new = random_tensor(len(seq_lens), NUM_KV_HEADS, head_dim, dtype=dtype, device=device, seed=2)
+    v_new = random_tensor(len(seq_lens), NUM_KV_HEADS, head_dim, dtype=dtype, device=device, seed=3)
+    ref_cache = kv_cache.clone()
+    expected = TorchAttentionBackend().forward(q, k_new, v_new, ref_cache, meta, 0.125)
+
+    write_kv_cache(k_new, v_new, kv_cache, meta.slot_mapping)
+    out = paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, 0.125)
+    assert torch.equal(kv_cache, ref_cache)
+    _assert_close(out, expected, dtype)
+
+
+def test_decode_strided_q_and_minus_one_padding(make_paged_batch, device):
+    """q as a view into a fused QKV output, block tables padded with -1 and int64 lengths."""
+    dtype, group, head_dim = torch.float16, 2, 64
+    seq_lens = [47, 5]
+    _, kv_cache, meta = _decode_inputs(make_paged_batch, seq_lens, group, head_dim, dtype, device)
+    num_heads = NUM_KV_HEADS * group
+    qkv = random_tensor(2, (num_heads + 2 * NUM_KV_HEADS) * head_dim, dtype=dtype, device=device)
+    q = qkv[:, : num_heads * head_dim].view(2, num_heads, head_dim)
+    assert not q.is_contiguous()
+    tables = meta.block_tables.clone()
+    tables[1, 1:] = -1
+    seq_lens_i64 = meta.seq_lens.long()
+    out = paged_decode_attention(q, kv_cache, tables, seq_lens_i64, 0.125, num_splits=2)
+    expected = paged_decode_attention_ref(q, kv_cache, tables, seq_lens_i64, 0.125)
+    _assert_close(out, expected, dtype)
+
+
+def test_decode_rejects_bad_shapes(make_paged_batch, device):
+    q, kv_cache, meta = _decode_inputs(make_paged_batch, [3], 1, 64, torch.float32, device)
+    with pytest.raises(ValueError, match="head_dim"):
+        paged_decode_attention(q[..., :32], kv_cache, meta.block_tables, meta.seq_lens, 1.0)
+    with pytest.raises(ValueError, match="dtype"):
+        paged_decode_attention(q.half(), kv_cache, meta.block_tables, meta.seq_lens, 1.0)
+    with pytest.raises(ValueError, match="multiple"):
+        paged_decode_attention(
+            q[:, :1].expand(1, 3, 64), kv_cache, meta.block_tables, meta.seq_lens, 1.0
+        )
+
+
+def test_choose_num_splits():
+    # Few programs and a long context: split up to the cap.
+    assert choose_num_splits(1, 8, 32768, num_programs_target=264) == 33
+    assert choose_num_splits(1, 1, 1 << 20, num_programs_target=10_000) == 64
+    # Enough programs already: no split.
+    assert choose_num_splits(256, 8, 8192, num_programs_target=264) == 1
+    # Short contexts are never cut below 256 tokens per split.
+    assert choose_num_splits(1, 8, 512, num_programs_target=264) == 2
+
+
+@pytest.mark.cuda
+def test_decode_full_size_bf16(cuda_device):
+    """Llama-8B-like heads (32 q / 8 kv, D=128) in bf16 over contexts up to 4k, autotuned."""
+    dtype, num_kv_heads, head_dim, num_seqs = torch.bfloat16, 8, 128, 12
+    gen = torch.Generator().manual_seed(0)
+    seq_lens = torch.randint(1, 4097, (num_seqs,), generator=gen).tolist()
+    seq_lens[:3] = [1, 16, 4096]
+    blocks = [-(-n // 16) for n in seq_lens]
+    order = torch.randperm(sum(blocks), generator=gen).tolist()
+    tables = [order[sum(blocks[:i]) : sum(blocks[: i + 1])] for i in range(num_seqs)]
+    meta = AttentionMetadata.build(
+        [1] * num_seqs, [n - 1 for n in seq_lens], tables, 16, cuda_device
+    )
+    kv_cache = torch.randn(2, sum(blocks), 16, num_kv_heads, head_dim, device=cuda_device)
+    kv_cache = kv_cache.to(dtype)
+    q = torch.randn(num_seqs, 32, head_dim, device=cuda_device, dtype=dtype)
+    expected = paged_decode_attention_ref(q, kv_cache, meta.block_tables, meta.seq_lens, 0.088)
+    for num_splits in (None, 1, 7):
+        out = paged_decode_attention(
+            q, kv_cache, meta.block_tables, meta.seq_lens, 0.088, num_splits=num_splits
+        )
+        _assert_close(out, expected, dtype)

@@ -1,0 +1,65 @@
+"""Tool-call parsers, one per model family, by name.
+
+    parser = get_tool_parser("hermes")(request_tools)  # one instance per choice
+    for text in deltas:
+        message = parser.feed(text)  # DeltaMessage: content and ToolCallDelta pieces
+    message = parser.finish()
+
+or, for a whole output, ``parser.extract(text)`` -> `ExtractedToolCalls`.
+"""
+
+from __future__ import annotations
+
+from render_server.tool_parsers.base import (
+    DeltaMessage,
+    ExtractedToolCalls,
+    ToolCall,
+    ToolCallDelta,
+    ToolParser,
+    Tools,
+)
+from render_server.tool_parsers.hermes import HermesToolParser
+from render_server.tool_parsers.llama3_json import Llama3JsonToolParser
+from render_server.tool_parsers.mistral import MistralToolParser
+from render_server.tool_parsers.pythonic import PythonicToolParser
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    parser.name: parser
+    for parser in (
+        HermesToolParser,
+        Llama3JsonToolParser,
+        MistralToolParser,
+        PythonicToolParser,
+    )
+}
+
+
+class UnknownToolParserError(KeyError):
+    """No tool parser has this name; the message lists those that exist."""
+
+    def __str__(self) -> str:  # KeyError would print the message quoted, as a repr
+        return str(self.args[0])
+
+
+def get_tool_parser(name: str) -> type[ToolParser]:
+    """The parser class registered as ``name``; instantiate it once per choice with the tools."""
+    try:
+        return TOOL_PARSERS[name]
+    except KeyError:
+        known = ", ".join(sorted(TOOL_PARSERS))
+        raise UnknownToolParserError(
+            f"unknown tool parser {name!r}; known parsers: {known}"
+        ) from None
+
+
+__all__ = [
+    "TOOL_PARSERS",
+    "DeltaMessage",
+    "ExtractedToolCalls",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolParser",
+    "Tools",
+    "UnknownToolParserError",
+    "get_tool_parser",
+]

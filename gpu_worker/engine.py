@@ -33,7 +33,9 @@ from gpu_worker.loader import load_model
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.sampler import Sampler, SamplerOutput, SamplingRequestState
 from gpu_worker.scheduler import Scheduler
-from gpu_worker.sequence import Sequence
+from gpu_worker.sequence import FinishReason, Sequence
+from gpu_worker.structured import StructuredOutputs
+from shared.constraints import ConstraintError
 from shared.model_card import ModelCard
 from shared.model_source import resolve_model
 from shared.protocol import Generate, RequestDelta, TokenLogprobs, WorkerStats
@@ -119,6 +121,8 @@ class Engine:
         )
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device)
         self.sampler = Sampler(mc.vocab_size, self.device, self.eos_token_ids)
+        self.structured = StructuredOutputs(source, mc.vocab_size, self.eos_token_ids)
+        self.structured.start_loading()
         self.vocab_size = mc.vocab_size
         self.max_model_len = max_model_len
         self.model_card = ModelCard(
@@ -159,6 +163,12 @@ class Engine:
             raise RequestRejected("too_long", reason)
         if self.scheduler.num_waiting >= self.config.max_waiting:
             raise RequestRejected("queue_full", "the worker's queue is full")
+        matcher = None
+        if request.constraint is not None:  # the render tier checked it; a worker re-checks
+            try:
+                matcher = self.structured.new_matcher(request.constraint, request.prompt_token_ids)
+            except ConstraintError as exc:
+                raise RequestRejected("invalid_request", f"constraint: {exc.message}") from exc
         seq = Sequence(
             request_id=key,
             prompt_token_ids=list(request.prompt_token_ids),
@@ -171,6 +181,7 @@ class Engine:
         state = SamplingRequestState.create(request.sampling, seq.prompt_token_ids, self.device)
         # The sampler reads penalties from the same list the scheduler appends to.
         state.output_token_ids = seq.output_token_ids
+        state.matcher = matcher
         self.scheduler.add(seq)
         self._states[key] = state
 
@@ -197,6 +208,7 @@ class Engine:
             for item, token_id in zip(sampling_items, result.token_ids, strict=True):
                 sampled[item.seq.request_id] = token_id
         changed = self.scheduler.update(output, sampled)
+        errors = self._advance_matchers(changed)
         self._num_steps += 1
         if not changed:
             return []
@@ -204,20 +216,43 @@ class Engine:
         deltas: list[RequestDelta] = []
         for seq in changed:
             finish = seq.finish_reason.value if seq.finish_reason is not None else None
+            error = errors.get(seq.request_id)
             deltas.append(
                 RequestDelta(
                     request_id=seq.request_id,
                     new_token_ids=[seq.output_token_ids[-1]],
-                    finish_reason=finish,
+                    finish_reason="error" if error is not None else finish,
                     stop_token_id=seq.stop_token_id,
                     num_prompt_tokens=seq.num_prompt_tokens,
                     num_cached_tokens=seq.num_cached_tokens,
                     logprobs=logprobs.get(seq.request_id),
+                    error=error,
                 )
             )
             if finish is not None:
                 self._states.pop(seq.request_id, None)
         return deltas
+
+    def _advance_matchers(self, changed: list[Sequence]) -> dict[str, str]:
+        """Feed each constrained sequence's new token to its matcher; end the ones whose
+        grammar is complete with "stop". Returns the errors of matchers that failed."""
+        errors: dict[str, str] = {}
+        for seq in changed:
+            state = self._states.get(seq.request_id)
+            if state is None or state.matcher is None:
+                continue
+            state.matcher.sync(seq.output_token_ids)
+            if seq.is_finished or not state.matcher.is_stopped:
+                continue
+            # Only EOS could follow: stop now rather than spend a step sampling it. Abort is
+            # the scheduler's "end it and free its blocks now"; the reason is then restated.
+            self.scheduler.abort([seq.request_id])
+            seq.finish(FinishReason.STOP)
+            error = state.matcher.error
+            if error is not None:
+                logger.warning("request %s: constraint failed: %s", seq.request_id, error)
+                errors[seq.request_id] = f"constraint: {error}"[:4096]
+        return errors
 
     @staticmethod
     def _logprobs(items: list, result: SamplerOutput) -> dict[str, list[TokenLogprobs]]:

@@ -1,6 +1,7 @@
 """Batched sampling over one engine step: logits [n, vocab] -> one token id per row.
 
-Order of operations (vLLM v1's): logit_bias, min_tokens masking, penalties (repetition,
+Order of operations (vLLM v1's): the structured-output mask of constrained rows
+(gpu_worker.structured), logit_bias, min_tokens masking, penalties (repetition,
 then frequency, then presence); greedy rows take the argmax here. Sampled rows then go
 through temperature, min-p, top-k, top-p and an exponential race: argmax(probs / q) with
 q ~ Exp(1), which draws from `probs` exactly. Seeded rows draw q from their own generator,
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gpu_worker.structured import GrammarMasker, RequestMatcher
 from shared.sampling import SamplingParams
 
 
@@ -31,6 +33,8 @@ class SamplingRequestState:
     """Made once from params.seed on the sampling device; None for unseeded requests."""
     prompt_mask: torch.Tensor | None = field(default=None, repr=False)
     """[vocab] bool of prompt tokens, built on first use by the repetition penalty."""
+    matcher: RequestMatcher | None = field(default=None, repr=False)
+    """The structured-output matcher of a constrained request; None for free ones."""
 
     @classmethod
     def create(
@@ -68,6 +72,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.eos_token_ids = list(eos_token_ids)
+        self.grammar = GrammarMasker(vocab_size, self.device, self.eos_token_ids)
 
     def sample(self, logits: torch.Tensor, states: list[SamplingRequestState]) -> SamplerOutput:
         """Sample one token per row of `logits` ([n, >= vocab_size]) for `states[row]`."""
@@ -79,13 +84,18 @@ class Sampler:
         bans = self._min_tokens_bans(states)
         uses_penalty = any(_has_penalty(p) for p in params)
         uses_bias = any(p.logit_bias for p in params)
+        constrained = [row for row, s in enumerate(states) if s.matcher is not None]
         if all(p.is_greedy for p in params) and not (
-            wants_logprobs or bans or uses_penalty or uses_bias
+            wants_logprobs or bans or uses_penalty or uses_bias or constrained
         ):
-            return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), num_top=num_top)
+            return SamplerOutput(token_ids=_argmax_rows(logits).tolist(), num_top=num_top)
 
         # A copy: the caller's logits stay raw, and the ops below work in place.
         x = logits.to(torch.float32, copy=True)
+        if constrained:
+            # First, so every later step (bias, penalties, top-k/p) sees only allowed tokens.
+            matchers = [states[row].matcher for row in constrained]
+            self.grammar.apply(x, constrained, matchers)  # type: ignore[arg-type]
         if uses_bias:
             self._apply_logit_bias(x, params)
         if bans:
@@ -96,12 +106,12 @@ class Sampler:
 
         is_greedy = [p.is_greedy for p in params]
         if all(is_greedy):
-            token_ids = x.argmax(dim=-1)
+            token_ids = _argmax_rows(x)
         else:
             token_ids = self._sample_random(x, states)
             if any(is_greedy):
                 greedy = self._upload(is_greedy, torch.bool)
-                token_ids = torch.where(greedy, x.argmax(dim=-1), token_ids)
+                token_ids = torch.where(greedy, _argmax_rows(x), token_ids)
 
         out = SamplerOutput(token_ids=[], num_top=num_top)
         if wants_logprobs:
@@ -233,7 +243,7 @@ class Sampler:
                 )
         # q == 0 would turn a masked token's 0 / 0 into NaN, which argmax picks.
         q.clamp_min_(torch.finfo(torch.float32).tiny)
-        return (probs / q).argmax(dim=-1)
+        return _argmax_rows(probs / q)
 
     def _fill_logprobs(
         self, out: SamplerOutput, logits: torch.Tensor, token_ids: torch.Tensor, k: int
@@ -244,6 +254,13 @@ class Sampler:
         out.ranks = (raw > chosen).sum(dim=-1) + 1
         top = torch.topk(raw, k, dim=-1)
         out.top_ids, out.top_logprobs = top.indices, top.values
+
+
+def _argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Index of each row's largest value, the first one on ties (as argmax). On CPU,
+    `max(dim)` is ~3x faster than `argmax` over a 49k vocabulary (2.8 vs 0.9 ms at 32
+    rows), and it is no slower on CUDA."""
+    return x.max(dim=-1).indices
 
 
 def _has_penalty(p: SamplingParams) -> bool:

@@ -13,9 +13,12 @@ from dataclasses import replace
 
 from fastapi import FastAPI
 
+from render_server.admission import Admission, AdmissionMiddleware
 from render_server.api import ROUTERS
 from render_server.api.deps import RenderState
+from render_server.api.tokenize import TokenizeFastPath
 from render_server.chat_template import ChatRenderer
+from render_server.discovery import WorkerDiscovery, load_resolver
 from render_server.errors import install_exception_handlers
 from render_server.generation_metrics import GenerationMetrics
 from render_server.metrics import RenderMetrics
@@ -26,9 +29,11 @@ from render_server.middleware import (
     RequestContextMiddleware,
 )
 from render_server.settings import RenderSettings
+from render_server.templates import read_chat_template
 from render_server.token_text import TokenText
 from render_server.tokenizer import Tokenizer
 from render_server.workers import WorkerError, WorkerPool
+from shared.curve import render_keys
 from shared.model_source import resolve_model
 
 logger = logging.getLogger(__name__)
@@ -58,9 +63,7 @@ def build_state(settings: RenderSettings) -> RenderState:
         source = replace(source, name=settings.served_model_name)
     started = time.perf_counter()
     tokenizer = Tokenizer.from_source(source)
-    template = (
-        settings.chat_template.read_text(encoding="utf-8") if settings.chat_template else None
-    )
+    template = read_chat_template(settings.chat_template) if settings.chat_template else None
     renderer = ChatRenderer(
         tokenizer,
         template,
@@ -77,15 +80,25 @@ def build_state(settings: RenderSettings) -> RenderState:
         tokenizer.vocab_size,
         tokenizer.max_model_len,
     )
-    metrics = RenderMetrics()
-    workers = None
-    if not settings.render_only and settings.workers:
+    metrics = RenderMetrics(settings.metrics_multiprocess_dir)
+    workers = discovery = None
+    if not settings.render_only and (settings.workers or settings.worker_dns):
         workers = WorkerPool(
             settings.workers,
             tokenizer_digest=tokenizer.digest,
             client_id=f"render-{os.getpid()}",
             heartbeat_timeout_s=settings.heartbeat_timeout_s,
+            curve=render_keys(settings.zmq_curve_dir) if settings.zmq_curve_dir else None,
+            routing=settings.routing,
         )
+        if settings.worker_dns:
+            discovery = WorkerDiscovery(
+                workers,
+                settings.worker_dns,
+                static=settings.workers,
+                interval_s=settings.worker_dns_interval_s,
+                resolver=load_resolver(settings.worker_dns_resolver),
+            )
     return RenderState(
         settings=settings,
         model_id=source.name,
@@ -97,9 +110,11 @@ def build_state(settings: RenderSettings) -> RenderState:
         metrics=metrics,
         token_text=TokenText(tokenizer),
         generation_metrics=GenerationMetrics(
-            metrics.registry, workers.statuses if workers is not None else None
+            metrics, workers.statuses if workers is not None else None
         ),
         workers=workers,
+        discovery=discovery,
+        admission=Admission(settings.max_pending, settings.write_timeout_s),
     )
 
 
@@ -108,15 +123,21 @@ def _lifespan(state: RenderState, owns_state: bool) -> Lifespan:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # The worker connections start here, on uvicorn's loop; the tokenizer is loaded
         # before the app exists, so a bad model fails before binding.
+        if state.discovery is not None:
+            await state.discovery.refresh()  # the first addresses, before connecting
         if state.workers is not None:
             try:
                 await state.workers.start(_WORKER_CONNECT_WAIT_S)
             except WorkerError as exc:
                 # Serve anyway: /ready says 503 and the pool keeps trying in the background.
                 logger.warning("no gpu-worker yet: %s", exc.message)
+        if state.discovery is not None:
+            state.discovery.start()
         try:
             yield
         finally:
+            if state.discovery is not None:
+                await state.discovery.close()
             if state.workers is not None:
                 await state.workers.close()
             if owns_state:  # a state passed in belongs to the caller, who closes it
@@ -143,8 +164,13 @@ def create_app(settings: RenderSettings, state: RenderState | None = None) -> Fa
         app.include_router(router)
     install_exception_handlers(app)
 
-    # add_middleware puts each new layer outside the previous ones, so this reads
-    # innermost first: ApiKey -> Limits -> CORS -> RequestContext (outermost).
+    # add_middleware puts each new layer outside the previous ones, so this reads innermost
+    # first: Admission -> TokenizeFastPath -> ApiKey -> Limits -> CORS -> RequestContext
+    # (outermost). /tokenize is no generation route, so admission never sees it anyway.
+    if state.admission is not None:
+        # Inside auth and limits: only requests that passed them count as pending.
+        app.add_middleware(AdmissionMiddleware, admission=state.admission)
+    app.add_middleware(TokenizeFastPath, state=state)
     if settings.api_keys:
         app.add_middleware(ApiKeyMiddleware, api_keys=settings.api_keys)
     app.add_middleware(

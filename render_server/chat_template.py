@@ -55,8 +55,9 @@ _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker, so the cu
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _MAX_POWER_BITS = 1 << 16
 # Inputs up to this many characters (strings plus one per value) render in the caller's
-# thread: about a millisecond of work, less than a hop to the pool and back costs a busy
-# event loop. Larger ones go to the pool so they never hold up the loop.
+# thread: a few milliseconds at worst (tokenizing new text is most of it), where a hop to
+# the pool and back costs a busy event loop far more per request than a short render
+# (the GIL handoff). Larger ones go to the pool so they never hold up the loop.
 _INLINE_MAX_CHARS = 8192
 # Exact types whose attribute safety depends on the attribute name alone, so the sandbox's
 # answer can be remembered per (type, name).
@@ -260,7 +261,8 @@ class _SandboxEnvironment(ImmutableSandboxedEnvironment):
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         if operator == "+" and type(left) is str and type(right) is str:  # most of any template
-            self._check_size(len(left) + len(right))
+            if len(left) + len(right) > self.max_value_chars:
+                self._check_size(len(left) + len(right))
             return left + right
         sized = (str, list, tuple)
         if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
@@ -327,15 +329,15 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
-def _any_string_matches(values: Iterable[Any], search: Callable[[str], Any]) -> bool:
-    """Whether `search` finds something in any string value (not dict keys, as in
-    `_map_strings`) of plain request data."""
+def _any_string_matches(values: Iterable[Any], matches: Callable[[str], bool]) -> bool:
+    """Whether any string value (not dict keys, as in `_map_strings`) of plain request
+    data `matches`."""
     stack = list(values)
     while stack:
         value = stack.pop()
         kind = type(value)
         if kind is str:
-            if search(value) is not None:
+            if matches(value):
                 return True
         elif kind is dict:
             stack.extend(value.values())
@@ -350,14 +352,18 @@ def _fits_inline(values: Iterable[Any], budget: int) -> bool:
     stack = list(values)
     while stack:
         value = stack.pop()
-        budget -= 1
-        if isinstance(value, str):
+        kind = type(value)
+        if kind is str:
             budget -= len(value)
-        elif isinstance(value, Mapping):
+        elif kind is dict or (kind is not list and isinstance(value, Mapping)):
+            budget -= len(value)
             stack.extend(value.keys())
             stack.extend(value.values())
-        elif isinstance(value, list | tuple):
+        elif kind is list or isinstance(value, list | tuple):
+            budget -= len(value)
             stack.extend(value)
+        elif isinstance(value, str):
+            budget -= len(value)
         if budget < 0:
             return False
     return True
@@ -412,15 +418,22 @@ def _prepare_messages(messages: Any, content_parts: bool) -> list[dict[str, Any]
         raise ChatTemplateError("messages must be a non-empty list")
     prepared = []
     for message in messages:
-        if not isinstance(message, Mapping):
+        if type(message) is not dict and not isinstance(message, Mapping):
             raise ChatTemplateError("each message must be an object")
-        message = _plain({key: value for key, value in message.items() if value is not None})
-        reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
+        message = {
+            _plain(key): _plain(value) for key, value in message.items() if value is not None
+        }
+        reasoning = None
+        for field in _REASONING_FIELDS:
+            if field in message:
+                reasoning = message[field]
+                break
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-        if not content_parts and isinstance(message.get("content"), list):
+        if not content_parts and type(message.get("content")) is list:
             message["content"] = _flatten_content(message["content"])
-        _parse_tool_arguments(message)
+        if message.get("tool_calls"):
+            _parse_tool_arguments(message)
         prepared.append(message)
     return prepared
 
@@ -485,11 +498,13 @@ class _Watchdog:
     _RenderInterrupted into the rendering thread (the event loop's, over HTTP).
 
     Every render of one renderer has the same budget, so renders are armed in deadline
-    order and a deque is the whole schedule. Arming costs one lock round trip; the thread
-    wakes only when the queue was empty or a deadline comes due, and drops finished renders
-    then. The lock makes "interrupt" and "finish" exclusive: an interrupt is only raised
-    into a render that has not finished, and `finish` clears one still pending, so it can
-    never fire in the caller's code after the render returned."""
+    order and a deque is the whole schedule. Arming costs one lock round trip and wakes
+    nobody: the thread sleeps until the oldest render falls due (dropping the finished
+    ones then), and with nothing armed it still waits one budget before sleeping for good,
+    since whatever is armed meanwhile falls due after that. Only arming into that last,
+    untimed sleep wakes it. The lock makes "interrupt" and "finish" exclusive: an interrupt
+    is only raised into a render that has not finished, and `finish` clears one still
+    pending, so it can never fire in the caller's code after the render returned."""
 
     def __init__(self, budget_s: float) -> None:
         self._budget_s = budget_s
@@ -497,18 +512,19 @@ class _Watchdog:
         self._wakeup = threading.Condition(self._lock)
         self._queue: deque[_InlineRender] = deque()
         self._thread: threading.Thread | None = None
+        self._asleep = False
         self._closed = False
 
     def arm(self) -> _InlineRender:
         with self._lock:
             render = _InlineRender(threading.get_ident(), time.monotonic() + self._budget_s)
             self._queue.append(render)
-            if len(self._queue) == 1:
-                if self._thread is None:
-                    self._thread = threading.Thread(
-                        target=self._run, name="chat-render-watchdog", daemon=True
-                    )
-                    self._thread.start()
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="chat-render-watchdog", daemon=True
+                )
+                self._thread.start()
+            elif self._asleep:
                 self._wakeup.notify()
             return render
 
@@ -524,22 +540,26 @@ class _Watchdog:
             self._wakeup.notify()
 
     def _run(self) -> None:
+        queue = self._queue
+        idle = False
         with self._lock:
             while not self._closed:
-                if not self._queue:
+                now = time.monotonic()
+                while queue and (queue[0].finished or queue[0].deadline <= now):
+                    render = queue.popleft()
+                    if not render.finished:
+                        render.interrupted = True
+                        _async_raise(render.thread_id, _RenderInterrupted)
+                if queue:
+                    idle = False
+                    self._wakeup.wait(queue[0].deadline - now)
+                elif not idle:
+                    idle = True
+                    self._wakeup.wait(self._budget_s)
+                else:
+                    self._asleep = True
                     self._wakeup.wait()
-                    continue
-                render = self._queue[0]
-                if render.finished:
-                    self._queue.popleft()
-                    continue
-                remaining = render.deadline - time.monotonic()
-                if remaining > 0:
-                    self._wakeup.wait(remaining)
-                    continue
-                self._queue.popleft()
-                render.interrupted = True
-                _async_raise(render.thread_id, _RenderInterrupted)
+                    self._asleep = False
 
 
 class ChatRenderer:
@@ -580,10 +600,15 @@ class ChatRenderer:
         # Whitespace tokens (Gemma's "\n") are ordinary text in any template; never protect them.
         protected = [t for t in tokenizer.special_tokens if t.strip()]
         self._protect_re: re.Pattern[str] | None = None
+        self._protect_hint: re.Pattern[str] | None = None
         if protected and not tokenize_special_text_in_content:
             alternatives = "|".join(map(re.escape, sorted(protected, key=len, reverse=True)))
             # User text that already holds sentinel characters is protected too, as itself.
             self._protect_re = re.compile(f"{alternatives}|{_SENTINEL_CLASS}")
+            # Any match starts with one of these characters. A one-class pattern scans fast,
+            # where the alternation above tries every token at every position.
+            first_chars = "".join(sorted({re.escape(token[0]) for token in protected}))
+            self._protect_hint = re.compile(f"[{first_chars}\U000f0000-\U000ffffd]")
         if self.chat_template is not None:
             # Compiled now rather than in the first request; a broken one fails per request.
             with contextlib.suppress(ChatTemplateError):
@@ -631,8 +656,8 @@ class ChatRenderer:
         chat_template: str | None = None,
     ) -> RenderedChat:
         """`render` for the event loop: small renders of the server's template run inline (a
-        millisecond at most, stopped at the deadline all the same); the rest run on the pool
-        without blocking the loop, and a cancelled caller stops them too."""
+        few milliseconds at most, stopped at the deadline all the same); the rest run on the
+        pool without blocking the loop, and a cancelled caller stops them too."""
         call, inline = self._plan(
             messages, add_generation_prompt, continue_final_message, tools, documents,
             chat_template_kwargs, chat_template,
@@ -705,13 +730,16 @@ class ChatRenderer:
         return job
 
     def _render_inline(self, call: Callable[[], RenderedChat]) -> RenderedChat:
-        render = self._watchdog.arm()
+        # The interrupt can fire anywhere from the moment `arm` queues the render (even
+        # before `arm` returns) until `finish` takes the watchdog's lock; all of that is
+        # inside this `try`, so it always becomes a ChatTemplateTimeout.
         try:
+            render = self._watchdog.arm()
             try:
                 return call()
             finally:
                 self._watchdog.finish(render)
-        except _RenderInterrupted:  # also when it fired inside `finish`, before the lock
+        except _RenderInterrupted:
             raise self._timeout() from None
 
     def _compile_uncached(self, source: str) -> tuple[jinja2.Template, bool]:
@@ -738,7 +766,7 @@ class ChatRenderer:
         tools, documents, kwargs = _plain(tools), _plain(documents), _plain(kwargs)
         by_sentinel: dict[str, str] = {}
         if self._protect_re is not None and _any_string_matches(
-            (chat, tools, documents, kwargs), self._protect_re.search
+            (chat, tools, documents, kwargs), self._needs_protection
         ):
             (chat, tools, documents, kwargs), by_sentinel = _protect(
                 (chat, tools, documents, kwargs), self._protect_re
@@ -750,6 +778,12 @@ class ChatRenderer:
         if final_text is not None:
             text = _cut_after_final_message(text, final_text)
         return self._tokenize(text, by_sentinel)
+
+    def _needs_protection(self, text: str) -> bool:
+        assert self._protect_hint is not None and self._protect_re is not None
+        return self._protect_hint.search(text) is not None and (
+            self._protect_re.search(text) is not None
+        )
 
     def _generate(self, template: jinja2.Template, context: dict[str, Any]) -> str:
         chunks: list[str] = []

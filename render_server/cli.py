@@ -10,10 +10,11 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import uvicorn
 from pydantic import ValidationError
@@ -21,6 +22,9 @@ from uvicorn.config import LOG_LEVELS
 
 from render_server.settings import LogLevel, RenderSettings
 from shared.model_source import ModelNotFoundError
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 PROG = "render-serve"
 
@@ -87,6 +91,32 @@ def build_parser() -> argparse.ArgumentParser:
         "for several. Without any, render-serve starts a local worker itself",
     )
     workers.add_argument(
+        "--worker-dns",
+        dest="worker_dns",
+        action="append",
+        metavar="HOST:PORT",
+        help="find workers in DNS: every A/AAAA record of HOST (e.g. a Kubernetes headless "
+        "Service) is a worker on PORT; re-resolved every --worker-dns-interval, so workers "
+        "join and leave without a restart. Repeatable; combines with --worker",
+    )
+    workers.add_argument(
+        "--worker-dns-interval",
+        dest="worker_dns_interval_s",
+        type=float,
+        metavar="SECONDS",
+        help=f"how often --worker-dns is resolved again "
+        f"(default: {_default('worker_dns_interval_s')})",
+    )
+    # Testing hook: answers --worker-dns from a `module:function` instead of DNS.
+    workers.add_argument("--worker-dns-resolver", help=argparse.SUPPRESS)
+    workers.add_argument(
+        "--routing",
+        choices=["prefix", "round_robin"],
+        help="how requests pick a worker: prefix (least load, preferring the worker that "
+        "likely caches the prompt's prefix) or round_robin (each in turn, for comparison) "
+        f"(default: {_default('routing')})",
+    )
+    workers.add_argument(
         "--render-only",
         action="store_true",
         help="no workers: serve tokenize, detokenize and models only (generation is a 503)",
@@ -149,6 +179,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, /ready turns 503 and in-flight streams get this long to finish "
         f"(default: {_default('drain_timeout_s')})",
     )
+    tools = parser.add_argument_group("tool calling and reasoning")
+    tools.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto")',
+    )
+    tools.add_argument(
+        "--tool-call-parser",
+        metavar="NAME",
+        help="how to read tool calls in the model's text: hermes, llama3_json, mistral, pythonic",
+    )
+    tools.add_argument(
+        "--reasoning-parser",
+        metavar="NAME",
+        help="split the model's reasoning from its answer: deepseek_r1 or qwen3",
+    )
     workers.add_argument(
         "--max-n",
         type=int,
@@ -159,6 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
     http = parser.add_argument_group("HTTP")
     http.add_argument("--host", help=f"address to bind (default: {_default('host')})")
     http.add_argument("--port", type=int, help=f"port to bind (default: {_default('port')})")
+    http.add_argument(
+        "--processes",
+        type=int,
+        metavar="N",
+        help="render processes sharing the port, each connected to every worker; /metrics "
+        f"sums them all (default: {_default('processes')})",
+    )
     http.add_argument(
         "--api-key",
         dest="api_keys",
@@ -246,7 +299,13 @@ def parse_settings(argv: Sequence[str] | None = None) -> RenderSettings:
     """Parse flags into RenderSettings; a bad value exits 2 with argparse's message."""
     parser = build_parser()
     given = vars(parser.parse_args(argv))
-    for key in ("cors_allow_origins", "cors_allow_methods", "cors_allow_headers", "workers"):
+    for key in (
+        "cors_allow_origins",
+        "cors_allow_methods",
+        "cors_allow_headers",
+        "workers",
+        "worker_dns",
+    ):
         if key in given:
             given[key] = _comma_split(given[key])
     try:
@@ -263,21 +322,29 @@ def _fail(message: str) -> NoReturn:
     sys.exit(2)
 
 
+def configure_logging(settings: RenderSettings) -> None:
+    """Log to stderr; with several processes each line names its process id."""
+    process = "[%(process)d] " if settings.processes > 1 else ""
+    logging.basicConfig(
+        level=LOG_LEVELS[settings.log_level],
+        format=f"%(asctime)s %(levelname)s {process}%(name)s: %(message)s",
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of `render-serve`."""
     settings = parse_settings(argv)
-    logging.basicConfig(
-        level=LOG_LEVELS[settings.log_level],
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(settings)
     # Imported here so `render-serve --help` stays instant.
     from render_server.embedded import EmbeddedWorker, EmbeddedWorkerError
     from render_server.templates import read_chat_template
     from shared.model_source import resolve_model
 
     embedded: EmbeddedWorker | None = None
-    if not settings.workers and not settings.render_only:
-        # Fail on a bad --model or template here, before a worker spends time loading.
+    wants_embedded = not settings.workers and not settings.worker_dns and not settings.render_only
+    if wants_embedded or settings.processes > 1:
+        # Fail on a bad --model or template here, before a worker spends time loading
+        # (or N processes each load a tokenizer to find out).
         try:
             resolve_model(settings.model)
             if settings.chat_template is not None:
@@ -286,38 +353,67 @@ def main(argv: Sequence[str] | None = None) -> None:
             _fail(str(exc))
         except OSError as exc:
             _fail(f"cannot read {exc.filename or 'a file'}: {exc.strerror or exc}")
+    if wants_embedded:
         embedded = EmbeddedWorker(settings.model, settings.worker_device, settings.worker_args)
         try:
             address = embedded.start(settings.worker_ready_timeout_s)
         except EmbeddedWorkerError as exc:
             _fail(str(exc))
         settings = settings.model_copy(update={"workers": [address]})
+    exit_code = 0
     try:
-        _serve(settings)
+        if settings.processes > 1:
+            # The embedded worker, if any, is shared: every process connects to it.
+            from render_server.processes import serve_processes
+
+            exit_code = serve_processes(settings)
+        else:
+            _serve(settings)
     finally:
         if embedded is not None:
             embedded.stop()
+    if exit_code:
+        sys.exit(exit_code)
 
 
-def _serve(settings: RenderSettings) -> None:
+def build_app(settings: RenderSettings) -> FastAPI:
+    """The app; a bad model, tokenizer or template exits 2 with the reason."""
     from render_server.app import create_app
     from render_server.tokenizer import TokenizerLoadError
 
     try:
-        app = create_app(settings)
+        return create_app(settings)
     except ModelNotFoundError as exc:
         _fail(str(exc))
     except TokenizerLoadError as exc:
         _fail(f"cannot load the tokenizer of {settings.model!r}: {exc}")
     except OSError as exc:
         _fail(f"cannot read {exc.filename or 'a file'}: {exc.strerror or exc}")
+
+
+def announce(settings: RenderSettings, port: int, processes: int = 1) -> None:
+    """The one line that tells where the server listens."""
     scheme_host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    across = f" ({processes} processes)" if processes > 1 else ""
     print(
         f"{PROG}: serving {settings.served_model_name or settings.model} on "
-        f"http://{scheme_host}:{settings.port}{settings.root_path}/v1",
+        f"http://{scheme_host}:{port}{settings.root_path}/v1{across}",
         file=sys.stderr,
         flush=True,
     )
+
+
+def _serve(settings: RenderSettings) -> None:
+    app = build_app(settings)
+    announce(settings, settings.port)
+    serve_app(settings, app)
+
+
+def serve_app(
+    settings: RenderSettings, app: FastAPI, sockets: list[socket.socket] | None = None
+) -> bool:
+    """Run `app` under a DrainingServer until it exits; on `sockets` already bound (by the
+    --processes supervisor) or else on settings.host/port. Returns whether it started."""
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -335,7 +431,9 @@ def _serve(settings: RenderSettings) -> None:
         server_header=False,
     )
     state = app.state.render
-    DrainingServer(config, state.admission, settings.drain_timeout_s).run()
+    server = DrainingServer(config, state.admission, settings.drain_timeout_s)
+    server.run(sockets=sockets)
+    return server.started
 
 
 class DrainingServer(uvicorn.Server):

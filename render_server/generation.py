@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from render_server.detokenizer import IncrementalDetokenizer
 from render_server.tokenizer import Tokenizer
 from render_server.workers import RequestStream, WorkerPool
-from shared.protocol import Generate, RequestDelta, TokenLogprobs
+from shared.protocol import Constraint, Generate, RequestDelta, TokenLogprobs
 from shared.sampling import SamplingParams
 
 
@@ -78,6 +78,7 @@ class Generation:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        constraint: Constraint | None = None,
     ) -> None:
         self.pool = pool
         self.tokenizer = tokenizer
@@ -86,6 +87,8 @@ class Generation:
         self.choices = choices
         self.priority = priority
         self.cache_salt = cache_salt
+        self.constraint = constraint
+        """Structured output every choice is held to (validated by render_server.structured)."""
         self.timings = GenerationTimings(arrival=arrival_time or time.perf_counter())
         self.totals = [ChoiceTotals() for _ in choices]
         self.num_cached_tokens = 0
@@ -104,6 +107,7 @@ class Generation:
                         priority=self.priority,
                         cache_salt=self.cache_salt,
                         arrival_time=time.time(),
+                        constraint=self.constraint,
                     )
                 )
                 self._streams.append(stream)

@@ -7,11 +7,12 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from render_server.generation import Generation
+from render_server.metrics import RenderMetrics
 from render_server.workers import WorkerStatus
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -54,9 +55,10 @@ class GenerationMetrics:
 
     def __init__(
         self,
-        registry: CollectorRegistry,
+        metrics: RenderMetrics,
         worker_statuses: Callable[[], list[WorkerStatus]] | None = None,
     ) -> None:
+        registry = metrics.registry
         self.ttft = Histogram(
             "duet_render_time_to_first_token_seconds",
             "From receiving the request to its first generated token.",
@@ -100,7 +102,8 @@ class GenerationMetrics:
             registry=registry,
         )
         if worker_statuses is not None:
-            registry.register(_WorkerCollector(worker_statuses))
+            # Live: each process reports its own view of the workers, never a sum.
+            metrics.register_live(_WorkerCollector(worker_statuses))
 
     def record(self, generation: Generation) -> None:
         """Observe one request once it ended, whichever way it ended."""

@@ -2,12 +2,20 @@
 
 Each app owns its CollectorRegistry (never the global one), so two apps in one process
 (tests, benchmarks) do not collide and /metrics shows only this app's numbers.
+
+With `render-serve --processes N` every process writes its counters and histograms to
+files in a shared directory (prometheus_client's multiprocess mode), and /metrics in any
+of them sums the files of all, plus its own live collectors (the per-worker gauges).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, values
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
 
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -35,10 +43,22 @@ _LATENCY_BUCKETS = (
 
 
 class RenderMetrics:
-    """The render server's counters and histograms, on a registry of their own."""
+    """The render server's counters and histograms, on a registry of their own.
 
-    def __init__(self) -> None:
+    `multiprocess_dir`: the directory shared by the render processes of one server, for
+    /metrics to sum them all. prometheus_client reads PROMETHEUS_MULTIPROC_DIR once, at
+    import, to decide where values live; the two must agree (checked here).
+    """
+
+    def __init__(self, multiprocess_dir: Path | None = None) -> None:
+        if multiprocess_dir is not None and values.ValueClass is values.MutexValue:
+            raise RuntimeError(
+                "metrics_multiprocess_dir is set but prometheus_client was imported without "
+                "PROMETHEUS_MULTIPROC_DIR: counters would stay private to each process"
+            )
+        self.multiprocess_dir = multiprocess_dir
         self.registry = CollectorRegistry()
+        self._live: list[Collector] = []
         self.http_requests = Counter(
             "duet_render_http_requests",
             "HTTP requests answered, by method, route template and status code.",
@@ -83,6 +103,21 @@ class RenderMetrics:
         counter.inc()
         histogram.observe(seconds)
 
+    def register_live(self, collector: Collector) -> None:
+        """Add a collector that reads this process's state at scrape time (not summed
+        across processes: e.g. this process's view of each worker)."""
+        self.registry.register(collector)
+        self._live.append(collector)
+
     def exposition(self) -> bytes:
-        """The Prometheus text format of every metric in this registry."""
-        return generate_latest(self.registry)
+        """The Prometheus text format of every metric: this registry's, or with several
+        processes the sum of all their counters and histograms plus our live collectors."""
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        # A fresh registry per scrape, as prometheus_client's multiprocess docs prescribe:
+        # the collector reads whatever files exist now, including newly started processes'.
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=str(self.multiprocess_dir))
+        for collector in self._live:
+            registry.register(collector)
+        return generate_latest(registry)

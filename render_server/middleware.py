@@ -15,9 +15,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 import re
 import time
-import uuid
 from collections.abc import Iterable, Sequence
 
 from starlette.datastructures import Headers
@@ -87,6 +87,24 @@ def _client_request_id(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
     return None
 
 
+class _RequestIds:
+    """Random 32-hex-digit request ids (as uuid4().hex reads), cut from os.urandom output
+    drawn 2 KiB at a time: one system call per 128 requests instead of one each. Used from
+    the event loop's thread only."""
+
+    def __init__(self) -> None:
+        self._hex = ""
+        self._at = 0
+
+    def next(self) -> str:
+        if self._at >= len(self._hex):
+            self._hex = os.urandom(2048).hex()
+            self._at = 0
+        at = self._at
+        self._at = at + 32
+        return self._hex[at : at + 32]
+
+
 class RequestContextMiddleware:
     """Gives each request an id (echoed in X-Request-Id), times and counts it, and turns
     an unhandled exception into a 500 error body without leaking the traceback."""
@@ -94,13 +112,14 @@ class RequestContextMiddleware:
     def __init__(self, app: ASGIApp, metrics: RenderMetrics) -> None:
         self.app = app
         self.metrics = metrics
+        self._request_ids = _RequestIds()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         started_at = time.perf_counter()
-        request_id = _client_request_id(scope["headers"]) or uuid.uuid4().hex
+        request_id = _client_request_id(scope["headers"]) or self._request_ids.next()
         scope.setdefault("state", {})["request_id"] = request_id
         id_header = (REQUEST_ID_HEADER, request_id.encode("ascii"))
         status = 0

@@ -7,7 +7,8 @@ worker's load and the prompt's prefix block hashes.
 The policy: a worker whose KV cache probably holds the longest prefix of the prompt is
 preferred, because a prefix hit saves the whole prefill of those tokens; but not when it
 is busier than the least-loaded worker by more than `margin`, because queueing behind a
-hot worker costs more than recomputing a prefix.
+hot worker costs more than recomputing a prefix. `--routing round_robin` swaps it for
+plain rotation, so a benchmark can measure what the affinity is worth.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import msgspec
 
@@ -28,6 +30,11 @@ AFFINITY_CAPACITY = 200_000
 """Entries of the hash -> worker map (~16 MB at most)."""
 AFFINITY_MARGIN = 4
 """How much busier than the least-loaded worker the prefix holder may be and still win."""
+
+RoutingMode = Literal["prefix", "round_robin"]
+"""`prefix`: least load with prefix-cache affinity (`choose_worker`, the default).
+`round_robin`: each live worker in turn, blind to load and prefixes; the baseline a
+benchmark compares prefix-aware routing against."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +83,13 @@ def choose_worker(
             if worker.key == preferred:
                 return i if worker.load <= least + margin else best
     return best
+
+
+def round_robin(count: int, rotation: int) -> int:
+    """Index of the worker whose turn it is among `count` candidates."""
+    if count < 1:
+        raise ValueError("no candidate workers")
+    return rotation % count
 
 
 class PrefixAffinity:
@@ -138,8 +152,14 @@ def continuation(request: Generate, output_token_ids: Sequence[int]) -> Generate
         max_tokens=max(1, sampling.max_tokens - done),
         min_tokens=max(0, sampling.min_tokens - done),
     )
+    constraint = request.constraint
+    if constraint is not None:  # the new worker's matcher first consumes what was generated
+        constraint = msgspec.structs.replace(
+            constraint, num_resumed_tokens=constraint.num_resumed_tokens + done
+        )
     return msgspec.structs.replace(
         request,
         prompt_token_ids=[*request.prompt_token_ids, *output_token_ids],
         sampling=resumed,
+        constraint=constraint,
     )

@@ -15,6 +15,8 @@ from typing import Annotated, Literal
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from render_server.discovery import parse_host_port
+from render_server.routing import RoutingMode
 from shared.model_source import DEFAULT_MODEL
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
@@ -93,9 +95,27 @@ class RenderSettings(BaseSettings):
     """Seconds in-flight requests get to finish on SIGTERM before the server stops."""
     timeout_keep_alive_s: int = Field(default=5, ge=1)
     """Seconds an idle keep-alive connection stays open."""
+    processes: int = Field(default=1, ge=1, le=256)
+    """Render processes sharing the port, each a full server with its own connections to
+    every worker; /metrics in any of them sums all their counters."""
+    metrics_multiprocess_dir: Path | None = None
+    """Set by `--processes` for its children (no flag): the directory where every render
+    process of the server keeps its metric values, for /metrics to sum."""
     # -- workers and generation ----------------------------------------------------------
     workers: StrList = Field(default_factory=list)
-    """ZMQ addresses of running gpu-workers. Empty (and not render_only): spawn a local one."""
+    """ZMQ addresses of running gpu-workers. Empty, with no worker_dns (and not render_only):
+    spawn a local one."""
+    worker_dns: StrList = Field(default_factory=list)
+    """HOST:PORT names whose every A/AAAA record is a gpu-worker (a Kubernetes headless
+    Service), re-resolved every worker_dns_interval_s: new workers join, vanished ones drain."""
+    worker_dns_interval_s: float = Field(default=10.0, gt=0)
+    """Seconds between two resolutions of worker_dns."""
+    worker_dns_resolver: str | None = None
+    """Testing hook (hidden flag): `module:function` mapping (host, port) to worker
+    addresses in place of DNS."""
+    routing: RoutingMode = "prefix"
+    """`prefix`: least load with prefix-cache affinity; `round_robin`: each worker in turn
+    (a baseline for benchmarks)."""
     render_only: bool = False
     """Serve only what needs no worker (tokenize, detokenize, models); generation is a 503."""
     worker_device: str = "auto"
@@ -114,6 +134,12 @@ class RenderSettings(BaseSettings):
     """A client that does not take a response chunk for this long is cut off."""
     drain_timeout_s: float = Field(default=30.0, ge=0)
     """On SIGTERM: how long in-flight streams may run to completion before exit."""
+    enable_auto_tool_choice: bool = False
+    """Let the model decide when to call tools (tool_choice "auto"); needs tool_call_parser."""
+    tool_call_parser: str | None = None
+    """How to read tool calls in the model's text: hermes, llama3_json, mistral, pythonic."""
+    reasoning_parser: str | None = None
+    """Split reasoning from the answer: deepseek_r1 or qwen3."""
     max_n: int = Field(default=16, ge=1, le=128)
     """Largest `n` a request may ask for."""
     access_log: bool = False
@@ -124,6 +150,7 @@ class RenderSettings(BaseSettings):
     @field_validator(
         "api_keys",
         "workers",
+        "worker_dns",
         "worker_args",
         "cors_allow_origins",
         "cors_allow_methods",
@@ -143,12 +170,39 @@ class RenderSettings(BaseSettings):
                 raise ValueError("an API key must not contain whitespace or control characters")
         return keys
 
+    @field_validator("worker_dns")
+    @classmethod
+    def _host_ports(cls, names: list[str]) -> list[str]:
+        for name in names:
+            parse_host_port(name)  # a ValueError names the bad entry
+        return names
+
     @field_validator("root_path")
     @classmethod
     def _root_path_shape(cls, value: str) -> str:
         value = value.rstrip("/")
         if value and not value.startswith("/"):
             raise ValueError("root_path must start with '/'")
+        return value
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_tool_parser(cls, value: str | None) -> str | None:
+        from render_server.tool_parsers import TOOL_PARSERS
+
+        if value is not None and value not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool call parser {value!r}; known: {sorted(TOOL_PARSERS)}")
+        return value
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, value: str | None) -> str | None:
+        from render_server.reasoning import REASONING_PARSERS
+
+        if value is not None and value not in REASONING_PARSERS:
+            raise ValueError(
+                f"unknown reasoning parser {value!r}; known: {sorted(REASONING_PARSERS)}"
+            )
         return value
 
     @model_validator(mode="after")

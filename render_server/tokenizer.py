@@ -12,8 +12,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sys
 import threading
 from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -58,6 +60,7 @@ _PIECEWISE_PRE_TOKENIZERS = frozenset(
 )  # fmt: skip
 _PIECEWISE_MODELS = frozenset({"BPE", "WordPiece", "WordLevel", "Unigram"})
 _PIECE_CACHE_MAX_TOKENS = 4096  # beyond this many added tokens the split regex gets slow
+_PIECE_ENTRY_OVERHEAD = 100
 
 
 class TokenizerLoadError(ValueError):
@@ -82,7 +85,7 @@ class Tokenizer:
         unk_token: str | None = None,
         pad_token: str | None = None,
         digest: str | None = None,
-        piece_cache_chars: int = 1 << 22,
+        piece_cache_bytes: int = 32 << 20,
     ) -> None:
         self.hf = hf
         self.vocab_size = max(vocab_size, hf.get_vocab_size(with_added_tokens=True))
@@ -108,7 +111,7 @@ class Tokenizer:
         # is state on the tokenizer object, so flipping it on `hf` would race with other threads.
         self._plain = HFTokenizer.from_str(canonical)
         self._plain.encode_special_tokens = True
-        self._pieces = _PieceCache.for_tokenizer(hf, piece_cache_chars)
+        self._pieces = _PieceCache.for_tokenizer(hf, piece_cache_bytes)
 
     @classmethod
     def from_source(cls, source: ModelSource) -> Tokenizer:
@@ -157,29 +160,34 @@ class _PieceCache:
     nothing looks across a piece (no truncation, padding, BPE dropout, "first"-only prefix,
     or added tokens that strip spaces around them), and checks itself on probe texts.
 
-    A hit is faster than a miss, so a client could time whether some exact text was sent
-    recently; that is the trade prefix caching on the workers makes too (and much louder).
+    Memory is bounded by `max_bytes`, counted as the entries' sizes plus a per-entry
+    overhead, so a flood of tiny pieces fills it as surely as a few long ones; the oldest
+    entries go first. A hit is faster than a miss, so a client could time whether some exact
+    text was sent recently; that is the trade prefix caching on the workers makes too (and
+    much louder).
     """
 
-    def __init__(self, hf: HFTokenizer, cut_at: list[str], max_chars: int) -> None:
+    def __init__(self, hf: HFTokenizer, cut_at: list[str], max_bytes: int) -> None:
         self._hf = hf
         # Longest first: Python's leftmost-first alternation then picks what the
         # leftmost-longest Aho-Corasick matcher of `tokenizers` picks.
         alternatives = "|".join(map(re.escape, sorted(cut_at, key=len, reverse=True)))
         self._splitter = re.compile(f"({alternatives or '(?!)'})")
         self._added_ids = {content: hf.token_to_id(content) for content in cut_at}
-        self._max_chars = max_chars
-        self._entries: dict[str, array[int]] = {}
-        self._chars = 0
+        self._max_bytes = max_bytes
+        # Oldest first; OrderedDict evicts from the front in O(1), where a dict would scan
+        # past the slots of every entry deleted there since it last resized.
+        self._entries: OrderedDict[str, array[int]] = OrderedDict()
+        self._bytes = 0
         self._lock = threading.Lock()
 
     @classmethod
-    def for_tokenizer(cls, hf: HFTokenizer, max_chars: int) -> _PieceCache | None:
-        """A cache for `hf`, or None when its pipeline is not piecewise (or max_chars is 0)."""
+    def for_tokenizer(cls, hf: HFTokenizer, max_bytes: int) -> _PieceCache | None:
+        """A cache for `hf`, or None when its pipeline is not piecewise (or max_bytes is 0)."""
         added = list(hf.get_added_tokens_decoder().values())
         cut_first = [token for token in added if not token.normalized]
         if (
-            max_chars <= 0
+            max_bytes <= 0
             or hf.truncation is not None
             or hf.padding is not None
             or hf.encode_special_tokens
@@ -189,7 +197,7 @@ class _PieceCache:
             or any(token.lstrip or token.rstrip or token.single_word for token in cut_first)
         ):
             return None
-        cache = cls(hf, list({token.content for token in cut_first}), max_chars)
+        cache = cls(hf, list({token.content for token in cut_first}), max_bytes)
         return cache if cache._agrees_on_probes([token.content for token in added]) else None
 
     def _agrees_on_probes(self, added: list[str]) -> bool:
@@ -206,7 +214,7 @@ class _PieceCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
-            self._chars = 0
+            self._bytes = 0
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
@@ -223,19 +231,22 @@ class _PieceCache:
         return ids
 
     def _store(self, piece: str, ids: array[int]) -> None:
-        size = len(piece)
-        if size > self._max_chars // 64:  # one huge piece would flush everything else
+        size = _entry_bytes(piece, ids)
+        if size > self._max_bytes // 64:  # one huge piece would flush everything else
             return
         with self._lock:
-            if piece in self._entries:
-                return
             entries = self._entries
-            while entries and self._chars + size > self._max_chars:
-                oldest = next(iter(entries))
-                del entries[oldest]
-                self._chars -= len(oldest)
+            if piece in entries:
+                return
+            while entries and self._bytes + size > self._max_bytes:
+                self._bytes -= _entry_bytes(*entries.popitem(last=False))
             entries[piece] = ids
-            self._chars += size
+            self._bytes += size
+
+
+def _entry_bytes(piece: str, ids: array[int]) -> int:
+    # The key and the ids as Python holds them, plus about what a dict slot costs.
+    return sys.getsizeof(piece) + sys.getsizeof(ids) + _PIECE_ENTRY_OVERHEAD
 
 
 def _is_piecewise_model(hf: HFTokenizer) -> bool:

@@ -8,6 +8,8 @@ deque plus a future to wake the one consumer). A single monitor task sends
 marks a worker dead when its messages stop for `heartbeat_timeout_s`.
 
 Routing policy lives in `render_server.routing`; this module only gathers its inputs.
+The set of workers may change while serving (`set_addresses`, fed by
+`render_server.discovery`): a removed worker is drained, not cut off.
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ import zmq
 
 from render_server.routing import (
     PrefixAffinity,
+    RoutingMode,
     WorkerLoad,
     affinity_hashes,
     choose_worker,
     continuation,
+    round_robin,
 )
 from shared.model_card import ModelCard
 from shared.protocol import (
@@ -97,6 +101,8 @@ class WorkerStatus:
     """Requests of this render process in flight on it."""
     refused: bool = False
     """Its card does not match our tokenizer (or model id); it is never routed to."""
+    draining: bool = False
+    """Removed from the pool's addresses: no new requests; closed once its streams end."""
 
 
 def _merge(into: RequestDelta, new: RequestDelta) -> None:
@@ -243,6 +249,7 @@ class _WorkerLink:
         self.stats: WorkerStats | None = None
         self.streams: dict[str, RequestStream] = {}
         self.closed = False
+        self.draining = False  # no longer in the pool's addresses: finish, take nothing new
         self._pool = pool
         self._loop = loop
         # Frames the full pipe refused, in order; retried every heartbeat round (the pipe
@@ -252,6 +259,11 @@ class _WorkerLink:
         self._drain_scheduled = False
         self._fd = socket.getsockopt(zmq.FD)
         loop.add_reader(self._fd, self._drain)
+
+    @property
+    def is_routable(self) -> bool:
+        """New requests (and failed-over ones) may go here."""
+        return self.welcomed and self.alive and not self.draining
 
     def load(self) -> WorkerLoad:
         stats = self.stats
@@ -341,8 +353,9 @@ class WorkerPool:
 
     `start()` connects and says Hello; workers whose ModelCard names another tokenizer
     (or another model id, when `model_id` is set) are refused and never routed to.
-    `submit()` picks a live worker (least load, prefix affinity) and returns the request's
-    `RequestStream`. Everything runs on the event loop that called `start()`.
+    `submit()` picks a live worker (by `routing`: least load with prefix affinity, or
+    round robin) and returns the request's `RequestStream`. `set_addresses()` changes the
+    set of workers while serving. Everything runs on the event loop that called `start()`.
     """
 
     def __init__(
@@ -355,12 +368,14 @@ class WorkerPool:
         heartbeat_interval_s: float = 1.0,
         heartbeat_timeout_s: float = 3.0,
         curve: CurveKeys | None = None,
+        routing: RoutingMode = "prefix",
     ) -> None:
-        if not addresses:
-            raise ValueError("a worker pool needs at least one worker address")
+        # `addresses` may be empty when discovery supplies them later (set_addresses).
         if heartbeat_timeout_s <= heartbeat_interval_s:
             raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
         self.addresses = list(dict.fromkeys(addresses))
+        """The workers this pool routes to (draining ones excluded), in the order given."""
+        self.routing: RoutingMode = routing
         self.tokenizer_digest = tokenizer_digest
         self.model_id = model_id
         self.client_id = client_id
@@ -383,6 +398,7 @@ class WorkerPool:
         self._model_card: ModelCard | None = None
         self._any_welcome = asyncio.Event()
         self._context: zmq.Context | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._monitor: asyncio.Task[None] | None = None
 
     @property
@@ -398,13 +414,10 @@ class WorkerPool:
         """
         if self._context is not None:
             raise RuntimeError("the worker pool is already started")
-        loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
         self._context = zmq.Context()
         for address in self.addresses:
-            socket = make_dealer(self._context, address, identity=self._identity, curve=self._curve)
-            link = _WorkerLink(self, address, socket, loop)
-            self._links.append(link)
-            self._say_hello(link)
+            self._connect(address)
         self._monitor = loop.create_task(self._monitor_loop(), name="duet-worker-monitor")
         try:
             await asyncio.wait_for(self._any_welcome.wait(), ready_timeout_s)
@@ -414,6 +427,37 @@ class WorkerPool:
             raise WorkerError(
                 "no_workers", f"no worker accepted within {ready_timeout_s:g}s{detail}"
             ) from None
+
+    def set_addresses(self, addresses: list[str]) -> None:
+        """Make `addresses` the pool's workers, without a restart.
+
+        New addresses are connected and greeted; a worker no longer listed is drained: it
+        gets no new requests, its in-flight streams run to their end, then its connection
+        is closed. Listing a draining worker again takes it back into service.
+        """
+        wanted = list(dict.fromkeys(addresses))
+        added = [address for address in wanted if address not in self.addresses]
+        removed = [address for address in self.addresses if address not in wanted]
+        self.addresses = wanted
+        if self._monitor is None:
+            return  # not running: start() connects to whatever is listed (close() ended it)
+        for link in self._links:
+            if link.address in removed:
+                link.draining = True
+                logger.info(
+                    "worker %s removed: draining %d in-flight requests",
+                    link.address,
+                    len(link.streams),
+                )
+        for address in added:
+            link = next((link for link in self._links if link.address == address), None)
+            if link is not None:
+                link.draining = False
+                logger.info("worker %s is listed again: back in service", address)
+            else:
+                logger.info("worker %s added", address)
+                self._connect(address)
+        self._retire_drained()
 
     async def close(self) -> None:
         """Abort what is in flight, fail its streams, close every socket."""
@@ -434,7 +478,7 @@ class WorkerPool:
             await asyncio.to_thread(self._context.term)
 
     def statuses(self) -> list[WorkerStatus]:
-        """One entry per worker address, in the order given."""
+        """One entry per connected worker, draining ones included, in order of connection."""
         return [
             WorkerStatus(
                 address=link.address,
@@ -446,13 +490,14 @@ class WorkerPool:
                 stats=link.stats,
                 outstanding=len(link.streams),
                 refused=link.refused,
+                draining=link.draining,
             )
             for link in self._links
         ]
 
     def is_ready(self) -> bool:
-        """At least one accepted worker is alive."""
-        return any(link.welcomed and link.alive for link in self._links)
+        """At least one accepted worker is alive (and not draining)."""
+        return any(link.is_routable for link in self._links)
 
     async def submit(self, request: Generate) -> RequestStream:
         """Choose a worker for `request`, send it, and return its stream.
@@ -460,18 +505,22 @@ class WorkerPool:
         Raises WorkerError("no_workers") when no accepted worker is alive, and ValueError
         when a request with the same id is still in flight in this pool.
         """
-        links = [link for link in self._links if link.welcomed and link.alive]
+        links = [link for link in self._links if link.is_routable]
         if not links:
             raise WorkerError("no_workers", "no live worker to send the request to")
         request_id = request.request_id
         if any(request_id in link.streams for link in self._links):
             raise ValueError(f"request {request_id!r} is already in flight")
         card = self._model_card
-        hashes = affinity_hashes(request, card.block_size) if card is not None else []
-        preferred, _ = self._affinity.longest_match(hashes)
-        index = choose_worker(
-            [link.load() for link in links], preferred=preferred, rotation=self._rotation
-        )
+        if self.routing == "round_robin":
+            hashes = []  # blind to prefixes: no hashing cost, no affinity map
+            index = round_robin(len(links), self._rotation)
+        else:
+            hashes = affinity_hashes(request, card.block_size) if card is not None else []
+            preferred, _ = self._affinity.longest_match(hashes)
+            index = choose_worker(
+                [link.load() for link in links], preferred=preferred, rotation=self._rotation
+            )
         self._rotation += 1
         link = links[index]
         if hashes:
@@ -553,8 +602,8 @@ class WorkerPool:
 
     async def _monitor_loop(self) -> None:
         # Liveness is checked a few times per timeout, so a dead worker is noticed at most
-        # a quarter of the timeout late; heartbeats go out at their own interval.
-        period = min(self.heartbeat_interval_s, self.heartbeat_timeout_s / 4)
+        # an eighth of the timeout late; heartbeats go out at their own interval.
+        period = min(self.heartbeat_interval_s, self.heartbeat_timeout_s / 8)
         next_beat = time.monotonic() + self.heartbeat_interval_s  # start() sent Hello
         while True:
             try:
@@ -565,6 +614,7 @@ class WorkerPool:
                 for link in self._links:
                     if link.alive and now - link.last_seen > self.heartbeat_timeout_s:
                         self._lose(link)
+                self._retire_drained()
             except Exception:  # the monitor must outlive any bug in one round
                 logger.exception("worker monitor round failed")
             await asyncio.sleep(period)
@@ -582,6 +632,22 @@ class WorkerPool:
                 # Not (or no longer) answering: it may have restarted and forgotten us.
                 # Not every beat, since ZMQ queues them all for a worker that is down.
                 self._say_hello(link)
+
+    def _connect(self, address: str) -> _WorkerLink:
+        assert self._context is not None and self._loop is not None
+        socket = make_dealer(self._context, address, identity=self._identity, curve=self._curve)
+        link = _WorkerLink(self, address, socket, self._loop)
+        self._links.append(link)
+        self._say_hello(link)
+        return link
+
+    def _retire_drained(self) -> None:
+        """Close the draining links whose last stream has ended (checked every monitor
+        round, so a link closes at most one round after its last request finished)."""
+        for link in [link for link in self._links if link.draining and not link.streams]:
+            logger.info("worker %s drained: disconnected", link.address)
+            link.close()
+            self._links.remove(link)
 
     def _say_hello(self, link: _WorkerLink) -> None:
         link.hello_sent_at = time.monotonic()
@@ -612,11 +678,7 @@ class WorkerPool:
     def _move(self, stream: RequestStream, exclude: _WorkerLink) -> bool:
         """Resume a stream on another live worker: the tokens it already streamed join
         the prompt, so the client's stream goes on with nothing lost or repeated."""
-        links = [
-            candidate
-            for candidate in self._links
-            if candidate is not exclude and candidate.welcomed and candidate.alive
-        ]
+        links = [link for link in self._links if link is not exclude and link.is_routable]
         if not links:
             return False
         target = links[choose_worker([candidate.load() for candidate in links])]

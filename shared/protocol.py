@@ -19,7 +19,7 @@ import msgspec
 from shared.model_card import ModelCard
 from shared.sampling import SamplingParams, TokenId
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = b"DU"
 HEADER_BYTES = len(MAGIC) + 1
 
@@ -27,6 +27,7 @@ MAX_FRAME_BYTES = 64 * 1024 * 1024
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_BATCH = 65536
 MAX_TOP_LOGPROBS = 20
+MAX_CONSTRAINT_CHARS = 256 * 1024
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 ShortText = Annotated[str, msgspec.Meta(max_length=4096)]
@@ -60,6 +61,18 @@ class _Message(msgspec.Struct, forbid_unknown_fields=True, tag_field="type", kw_
 # ---- render -> worker ---------------------------------------------------------------
 
 
+class Constraint(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A structured-output constraint on a request's output (see shared.constraints)."""
+
+    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+    spec: Annotated[str, msgspec.Meta(max_length=MAX_CONSTRAINT_CHARS)] = ""
+    """JSON schema text, a regex, a Lark/GBNF grammar, or a JSON list of choices;
+    empty for json_object."""
+    num_resumed_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_PROMPT_TOKENS)] = 0
+    """The last this-many prompt tokens were generated under this constraint already (a
+    failover resume): the worker's matcher consumes them before the first new token."""
+
+
 class Hello(_Message, tag="hello", kw_only=True):
     """First message of a render client; the worker answers Welcome."""
 
@@ -81,6 +94,8 @@ class Generate(_Message, tag="generate", kw_only=True):
     """Per-tenant salt mixed into the prefix hashes so tenants never share cached blocks."""
     arrival_time: float = 0.0
     """Wall-clock time the render server received the HTTP request."""
+    constraint: Constraint | None = None
+    """Structured output: every generated token must keep the output inside it."""
 
 
 class Abort(_Message, tag="abort", kw_only=True):

@@ -82,6 +82,10 @@ def make_dealer(
     _apply_common(socket, hwm, max_message_bytes)
     if identity is not None:
         socket.setsockopt(zmq.IDENTITY, identity)
+    if connect.startswith("tcp://["):
+        # A literal IPv6 address (e.g. an AAAA record found by discovery); ZMQ refuses
+        # IPv6 unless asked, and asking for every address could prefer a v6 route.
+        socket.setsockopt(zmq.IPV6, 1)
     if curve is not None:
         if curve.server_public_key is None:
             raise ValueError("a CURVE client needs the server's public key")

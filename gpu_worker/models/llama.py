@@ -31,9 +31,53 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # One fused call instead of six ops, 61 times a step; in fp32 it gives the
+            # formula below to the bit.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # HF rounds the normalized value to the model dtype before scaling; the fused
+        # kernel rounds once at the end, a last-bit difference in a quarter of bf16 values.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
+
+
+class Linear(nn.Linear):
+    """nn.Linear that runs on a weight prepacked for oneDNN where `prepack` made one.
+
+    On CPU, a bf16 `F.linear` reorders the whole weight into oneDNN's blocked layout on
+    every call, which costs about as much as the matmul at decode sizes. Packing once at
+    load gives the same results bit for bit, 1.4-1.7x faster from 1 to 2048 rows on an
+    AMX Xeon, for a second copy of the weights. fp32 stays on MKL's sgemm: packing there
+    was slower for single tokens and large prefills.
+    """
+
+    packed_weight: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's packed copy of a bf16 [out, in] weight on CPU; None for other devices and
+    dtypes, and where this build of torch or this CPU cannot run it (callers then keep
+    plain `F.linear`)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        return None
+    try:
+        if not (
+            torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        ):
+            return None
+        # The batch size only hints the blocking; measured faster from 1 to 2048 rows.
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+        probe = weight.new_zeros((1, weight.shape[1]))
+        torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+        return packed
+    except (RuntimeError, AttributeError):  # an op missing or refused on this build
+        return None
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -60,7 +104,12 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin for every position, computed once in fp32 (HF's rotate_half convention)."""
+    """cos/sin for every position, computed once in fp32 (HF's rotate_half convention).
+
+    Both tables span the whole head_dim: cos is [cos, cos] and sin is [-sin, sin], so that
+    rotating is `x * cos + roll(x, half) * sin`, four ops for q and k together. The
+    products are the ones HF forms (`-x2 * sin` there, `x2 * -sin` here), bit for bit.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -75,18 +124,21 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(self.config).to(device)
         positions = torch.arange(self.config.max_position_embeddings, device=device).float()
         freqs = torch.outer(positions, inv_freq)
-        self.cos_cache = freqs.cos()
-        self.sin_cache = freqs.sin()
+        cos, sin = freqs.cos(), freqs.sin()
+        self.cos_cache = torch.cat((cos, cos), dim=-1)
+        self.sin_cache = torch.cat((-sin, sin), dim=-1)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos_cache[positions], self.sin_cache[positions]
+        """[num_tokens] -> cos, sin [num_tokens, 1, head_dim], broadcasting over heads."""
+        cos = self.cos_cache.index_select(0, positions)
+        sin = self.sin_cache.index_select(0, positions)
+        return cos[:, None, :], sin[:, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [tokens, heads, head_dim]; the two halves of head_dim are the rotated pairs."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    h = x.float()
+    out = h * cos + h.roll(x.shape[-1] // 2, dims=-1) * sin
     return out.to(x.dtype)
 
 
@@ -102,10 +154,10 @@ class Attention(nn.Module):
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
         self.backend = backend
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_out_bias)
 
     def forward(
         self,
@@ -115,10 +167,13 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        # q and k rotate in one go: their heads sit side by side at the front of qkv.
+        qk = qkv[:, : self.q_size + self.kv_size].view(
+            -1, self.num_heads + self.num_kv_heads, self.head_dim
+        )
+        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -129,8 +184,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -195,10 +250,20 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._packed_head: torch.Tensor | None = None
 
     def build_caches(self, device: torch.device) -> None:
-        """Compute the non-weight state (rotary tables) once the model sits on `device`."""
+        """Compute the derived state once the weights sit on `device`: rotary tables and,
+        where it pays (`prepack`), packed copies of the projection and LM head weights.
+        Call it again after changing any weight."""
         self.rotary.build(device)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.packed_weight = prepack(module.weight.detach())
+        self._packed_head = prepack(self._head_weight().detach())
+
+    def _head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(
         self,
@@ -216,8 +281,12 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states at the sampled positions [n, hidden] -> fp32 logits [n, vocab]."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self._packed_head is not None:
+            logits = torch.ops.mkldnn._linear_pointwise(
+                hidden, self._packed_head, None, "none", [], ""
+            )
+            return logits.float()
+        return F.linear(hidden, self._head_weight()).float()
 
     def _shard_range(self, fused: str, shard: int) -> tuple[int, int]:
         c = self.config

@@ -11,6 +11,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from render_server.api.deps import RenderState, StateDep
+from render_server.chat_output import ChoicePiece, ChoiceProcessor
 from render_server.chat_template import ChatTemplateError, RequestTemplateNotAllowed
 from render_server.errors import ApiError
 from render_server.generation import ChoiceDelta, Generation
@@ -35,7 +36,9 @@ from render_server.serving import (
     usage_of,
     worker_error_to_api,
 )
+from render_server.structured import check_constraint, resolve_constraint
 from render_server.token_text import TokenText
+from render_server.tools import plan_tools
 from render_server.validation import (
     build_choices,
     check_prompt_length,
@@ -71,11 +74,14 @@ def _chat_logprobs(
     return ChatChoiceLogprobs(content)
 
 
-async def _render(state: RenderState, body: ChatCompletionRequest) -> list[int]:
+async def _render(
+    state: RenderState, body: ChatCompletionRequest, tools: list[dict] | None
+) -> list[int]:
     started = time.perf_counter()
     try:
         rendered = await state.renderer.render_async(
             [message.to_template_dict() for message in body.messages],
+            tools=tools,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
             documents=body.documents,
@@ -112,7 +118,25 @@ async def chat_completions(
             )
         if not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
-    prompt_ids = await _render(state, body)
+    settings = state.settings
+    plan = plan_tools(
+        [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None,
+        body.tool_choice,
+        body.parallel_tool_calls,
+        enable_auto_tool_choice=settings.enable_auto_tool_choice,
+        tool_call_parser=settings.tool_call_parser,
+    )
+    constraint = await resolve_constraint(request, state, body)
+    if plan.constraint is not None:
+        if constraint is not None:
+            raise ApiError(
+                400,
+                'tool_choice "required" or a named function cannot be combined with '
+                "another structured-output constraint.",
+                param="tool_choice",
+            )
+        constraint = await check_constraint(request, state, plan.constraint, "tools")
+    prompt_ids = await _render(state, body, plan.tools)
     max_model_len = state.max_model_len
     check_prompt_length(len(prompt_ids), max_model_len, "messages")
     if body.max_completion_tokens is not None:
@@ -135,6 +159,7 @@ async def chat_completions(
         prompt_ids,
         choices,
         priority=body.priority,
+        constraint=constraint,
     )
     try:
         await generation.__aenter__()
@@ -142,16 +167,21 @@ async def chat_completions(
         state.generation_metrics.record(generation)
         raise worker_error_to_api(exc) from exc
     created = int(time.time())
+    thinking = (body.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+    processors = [
+        ChoiceProcessor(plan, settings.reasoning_parser, enable_thinking=thinking) for _ in choices
+    ]
+    output = _Output(processors, body.include_reasoning)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        chunks = _stream(state, generation, created, top, include_usage)
+        chunks = _stream(state, generation, created, top, include_usage, output)
         return StreamingResponse(
             stream_with_errors(state.generation_metrics.recorded(generation, chunks)),
             media_type="text/event-stream",
             background=BackgroundTask(generation.abort),
         )
     try:
-        result = await until_disconnect(request, _collect(state, generation, created, top))
+        result = await until_disconnect(request, _collect(state, generation, created, top, output))
     except WorkerError as exc:
         raise worker_error_to_api(exc) from exc
     finally:
@@ -160,8 +190,30 @@ async def chat_completions(
     return Response(_encode_json(result), media_type="application/json")
 
 
+class _Output:
+    """Per-choice processors and the request's reasoning preference."""
+
+    def __init__(self, processors: list[ChoiceProcessor], include_reasoning: bool) -> None:
+        self.processors = processors
+        self.include_reasoning = include_reasoning
+
+    def finish_reason(self, index: int, reason: str | None) -> str | None:
+        if reason == "stop" and self.processors[index].called_tools:
+            return "tool_calls"
+        return reason
+
+    def delta(self, piece: ChoicePiece) -> ChatDelta:
+        reasoning = piece.reasoning if self.include_reasoning else None
+        return ChatDelta(
+            content=piece.content or None,
+            reasoning_content=reasoning or None,
+            reasoning=reasoning or None,
+            tool_calls=piece.tool_calls or None,
+        )
+
+
 async def _collect(
-    state: RenderState, generation: Generation, created: int, top: int
+    state: RenderState, generation: Generation, created: int, top: int, output: _Output
 ) -> ChatCompletion:
     async for _ in generation.deltas():
         pass
@@ -170,12 +222,20 @@ async def _collect(
         logprobs = None
         if generation.choices[index].sampling.logprobs is not None:
             logprobs = _chat_logprobs(state.token_text, totals.token_ids, totals.logprobs, top)
+        result = output.processors[index].whole("".join(totals.text))
+        reasoning = result.reasoning if output.include_reasoning else None
+        message = ChatMessageOut(
+            content=result.content,
+            tool_calls=result.tool_calls,
+            reasoning_content=reasoning,
+            reasoning=reasoning,
+        )
         choices.append(
             ChatChoice(
                 index=index,
-                message=ChatMessageOut(content="".join(totals.text)),
+                message=message,
                 logprobs=logprobs,
-                finish_reason=totals.finish_reason,
+                finish_reason=output.finish_reason(index, totals.finish_reason),
                 stop_reason=totals.stop_reason,
             )
         )
@@ -189,7 +249,12 @@ async def _collect(
 
 
 async def _stream(
-    state: RenderState, generation: Generation, created: int, top: int, include_usage: bool
+    state: RenderState,
+    generation: Generation,
+    created: int,
+    top: int,
+    include_usage: bool,
+    output: _Output,
 ) -> AsyncIterator[bytes]:
     request_id, model = generation.request_id, state.model_id
     wants_logprobs = generation.choices[0].sampling.logprobs is not None
@@ -206,9 +271,15 @@ async def _stream(
         logprobs = None
         if wants_logprobs:
             logprobs = _chat_logprobs(state.token_text, delta.token_ids, delta.logprobs, top)
-        content = ChatDelta(content=delta.text) if delta.text else ChatDelta()
+        processor = output.processors[delta.index]
+        piece = processor.feed(delta.text)
+        if delta.finish_reason is not None:
+            piece = processor._merge(piece, processor.finish())
+        if piece.is_empty and delta.finish_reason is None and logprobs is None:
+            continue
+        finish = output.finish_reason(delta.index, delta.finish_reason)
         yield chunk(
-            ChatChunkChoice(delta.index, content, logprobs, delta.finish_reason, delta.stop_reason)
+            ChatChunkChoice(delta.index, output.delta(piece), logprobs, finish, delta.stop_reason)
         )
     if include_usage:
         yield sse_event(

@@ -31,6 +31,7 @@ from render_server.serving import (
     usage_of,
     worker_error_to_api,
 )
+from render_server.structured import resolve_constraint
 from render_server.token_text import TokenText
 from render_server.validation import (
     build_choices,
@@ -132,6 +133,7 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
             400, f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}].", param="logprobs"
         )
     pool = state.require_workers()
+    constraint = await resolve_constraint(request, state, body)
     prompts = await _prompts(state, body)
     max_model_len = state.max_model_len
     generations = []
@@ -155,6 +157,7 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
                 prompt_ids,
                 choices,
                 priority=body.priority,
+                constraint=constraint,
             )
         )
     try:

@@ -18,6 +18,7 @@ from render_server.settings import RenderSettings
 if TYPE_CHECKING:
     from render_server.admission import Admission
     from render_server.chat_template import ChatRenderer
+    from render_server.discovery import WorkerDiscovery
     from render_server.generation_metrics import GenerationMetrics
     from render_server.token_text import TokenText
     from render_server.tokenizer import Tokenizer
@@ -47,6 +48,8 @@ class RenderState:
     """In-flight generation requests and the draining flag (set by create_app)."""
     workers: WorkerPool | None = None
     """The connections to the gpu-workers; None on a --render-only server."""
+    discovery: WorkerDiscovery | None = None
+    """Keeps `workers` in step with --worker-dns; None without it."""
 
     @property
     def max_model_len(self) -> int:

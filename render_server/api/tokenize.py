@@ -1,16 +1,29 @@
-"""POST /tokenize and POST /detokenize (the shape vLLM serves)."""
+"""POST /tokenize and POST /detokenize (the shape vLLM serves).
+
+/tokenize is the render tier's hottest endpoint, and FastAPI's request machinery (routing,
+dependency solving, body parsing, response validation) costs several times what rendering a
+short chat does. So `TokenizeFastPath` serves the common case — a JSON body that parses and
+validates — as a bare ASGI app in front of the router; anything else (another content type,
+malformed JSON, a validation error) is handed to the FastAPI route below with the body
+replayed, so every error comes out exactly as FastAPI and `errors.py` make it.
+"""
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Annotated
+from typing import Annotated, Any
 
+import msgspec
 from fastapi import APIRouter, Body
+from pydantic import TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from render_server.api.deps import RenderState, StateDep
 from render_server.chat_template import ChatTemplateError, RequestTemplateNotAllowed
-from render_server.errors import ApiError
+from render_server.errors import ApiError, error_response
+from render_server.middleware import route_path
 from render_server.schemas.errors import ErrorResponse
 from render_server.schemas.tokenize import (
     DetokenizeRequest,
@@ -67,11 +80,8 @@ async def _render_chat(state: RenderState, request: TokenizeChatRequest) -> list
     return token_ids
 
 
-@router.post("/tokenize", responses=_ERRORS)
-async def tokenize(
-    request: Annotated[TokenizeRequest, Body()], state: StateDep
-) -> TokenizeResponse:
-    """Token ids of a prompt, or of messages rendered through the chat template."""
+async def _token_ids(state: RenderState, request: TokenizeRequest) -> list[int]:
+    """What both /tokenize paths answer: the ids of the prompt or of the rendered chat."""
     state.check_model(request.model)
     tokenizer = state.tokenizer
     if isinstance(request, TokenizePromptRequest):
@@ -84,12 +94,135 @@ async def tokenize(
     else:
         token_ids = await _render_chat(state, request)
     state.metrics.tokens_tokenized.inc(len(token_ids))
+    return token_ids
+
+
+@router.post("/tokenize", responses=_ERRORS)
+async def tokenize(
+    request: Annotated[TokenizeRequest, Body()], state: StateDep
+) -> TokenizeResponse:
+    """Token ids of a prompt, or of messages rendered through the chat template."""
+    token_ids = await _token_ids(state, request)
+    tokenizer = state.tokenizer
     return TokenizeResponse(
         count=len(token_ids),
         max_model_len=tokenizer.max_model_len,
         tokens=token_ids,
         token_strs=tokenizer.token_strs(token_ids) if request.return_token_strs else None,
     )
+
+
+# Content types the fast path reads as JSON; FastAPI reads these as JSON too, and any other
+# spelling (or none) goes to the route, which knows every rule.
+_JSON_CONTENT_TYPES = frozenset(
+    {b"application/json", b"application/json; charset=utf-8", b"application/json;charset=utf-8"}
+)
+# How FastAPI validates the body: the same annotated type, from_attributes as FastAPI does.
+_TOKENIZE_REQUEST: TypeAdapter[TokenizeRequest] = TypeAdapter(TokenizeRequest)
+_RESPONSE_HEADERS = (b"content-type", b"application/json")
+
+
+class TokenizeFastPath:
+    """Serves `POST /tokenize` without FastAPI's per-request machinery; added as the
+    innermost middleware, so request ids, metrics, CORS, limits and API keys all apply.
+
+    The body is parsed with `json.loads` and validated with pydantic exactly as FastAPI does;
+    a request that would fail either is passed, body replayed, to the FastAPI route."""
+
+    path = "/tokenize"
+    """The route label metrics see (RequestContextMiddleware reads `scope["route"].path`)."""
+
+    def __init__(self, app: ASGIApp, state: RenderState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or scope["method"] != "POST"
+            or route_path(scope) != self.path
+            or _content_type(scope["headers"]) not in _JSON_CONTENT_TYPES
+        ):
+            await self.app(scope, receive, send)
+            return
+        scope["route"] = self  # the router sets its own route if the request falls through
+        body = await _read_body(receive)
+        if body is None:  # the client went away mid-body: nobody to answer
+            return
+        request = _parse(body)
+        if request is None:
+            await self.app(scope, _replay(body, receive), send)
+            return
+        try:
+            token_ids = await _token_ids(self.state, request)
+        except ApiError as exc:
+            await error_response(exc.status_code, exc.info, exc.headers)(scope, receive, send)
+            return
+        tokenizer = self.state.tokenizer
+        payload = msgspec.json.encode(
+            {
+                "count": len(token_ids),
+                "max_model_len": tokenizer.max_model_len,
+                "tokens": token_ids,
+                "token_strs": tokenizer.token_strs(token_ids)
+                if request.return_token_strs
+                else None,
+            }
+        )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [_RESPONSE_HEADERS, (b"content-length", b"%d" % len(payload))],
+            }
+        )
+        await send({"type": "http.response.body", "body": payload})
+
+
+def _content_type(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    for name, value in headers:
+        if name == b"content-type":
+            return value.lower()
+    return None
+
+
+async def _read_body(receive: Receive) -> bytes | None:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _parse(body: bytes) -> TokenizeRequest | None:
+    """The validated request, or None where FastAPI would answer with an error."""
+    try:
+        data: Any = json.loads(body)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError alike
+        return None
+    if type(data) is not dict:
+        return None
+    try:
+        return _TOKENIZE_REQUEST.validate_python(data, from_attributes=True)
+    except ValidationError:
+        return None
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that hands out the body already read, then defers to the real one."""
+    pending = True
+
+    async def replay() -> Message:
+        nonlocal pending
+        if pending:
+            pending = False
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 @router.post("/detokenize", responses=_ERRORS)

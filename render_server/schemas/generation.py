@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from render_server.schemas.tokenize import ChatMessage
+from render_server.schemas.tokenize import ChatMessage, ToolDefinition
 
 # Bounds checked in the render tier before anything reaches a worker.
 MAX_STOP_STRINGS = 16
@@ -32,6 +32,22 @@ class StreamOptions(BaseModel):
 
     include_usage: bool = False
     """Send a last chunk with `usage` (and empty `choices`) before `[DONE]`."""
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` request field; render_server.structured reads it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    json_: Any = Field(default=None, alias="json")
+    """A JSON schema, as an object or as JSON text."""
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    """A Lark grammar (as llguidance extends it) or a GBNF one."""
+    json_object: bool | None = None
+    structural_tag: Any = None
+    """Not supported: refused when set."""
 
 
 class SamplingFields(BaseModel):
@@ -65,6 +81,15 @@ class SamplingFields(BaseModel):
     user: str | None = None
     """Accepted for compatibility; unused."""
     priority: int = 0
+    response_format: Any = None
+    """OpenAI's structured outputs: {"type": "text" | "json_object" | "json_schema", ...}."""
+    structured_outputs: StructuredOutputsField | None = None
+    """vLLM's structured outputs: exactly one of json, regex, choice, grammar, json_object."""
+    guided_json: Any = None
+    """vLLM's older names of the same constraints (a JSON schema, as an object or text)."""
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -85,10 +110,12 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
-    response_format: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    """"none", "auto", "required", or {"type": "function", "function": {"name": ...}}."""
+    parallel_tool_calls: bool | None = None
+    include_reasoning: bool = True
+    """Return the reasoning the --reasoning-parser splits off (reasoning_content)."""
 
 
 class CompletionRequest(SamplingFields):
@@ -100,13 +127,9 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool = True
     suffix: str | None = None
     best_of: int | None = None
-    response_format: Any = None
 
 
 # Field -> why it is refused. Only refused when the client actually sets it.
 UNSUPPORTED_FIELDS: dict[str, str] = {
-    "response_format": "structured outputs (response_format) are not supported yet",
-    "tools": "tool calling (tools) is not supported yet",
-    "tool_choice": "tool calling (tool_choice) is not supported yet",
     "suffix": "suffix (insertion) is not supported",
 }

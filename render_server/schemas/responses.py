@@ -54,13 +54,47 @@ class ChatChoiceLogprobs(msgspec.Struct):
     content: list[ChatTokenLogprob] | None
 
 
-class ChatMessageOut(msgspec.Struct):
-    """The assistant's reply."""
+class FunctionOut(msgspec.Struct):
+    """The function a tool call invokes, with its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallOut(msgspec.Struct):
+    """One tool call in an assistant message."""
+
+    id: str
+    function: FunctionOut
+    type: str = "function"
+
+
+class FunctionDeltaOut(msgspec.Struct, omit_defaults=True):
+    """A streamed piece of a tool call's function: the name once, then arguments text."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDeltaOut(msgspec.Struct, omit_defaults=True):
+    """A streamed piece of tool call `index`: id, type and name first, then arguments."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionDeltaOut | None = None
+
+
+class ChatMessageOut(msgspec.Struct, omit_defaults=True):
+    """The assistant's reply (`content` is always present, null when only tools were called)."""
 
     content: str | None
     role: str = "assistant"
-    refusal: str | None = None
-    tool_calls: list[dict] = []
+    tool_calls: list[ToolCallOut] = []
+    reasoning_content: str | None = None
+    """The model's reasoning, split off by the --reasoning-parser."""
+    reasoning: str | None = None
+    """Alias of reasoning_content, as some clients read it."""
 
 
 class ChatChoice(msgspec.Struct):
@@ -90,6 +124,9 @@ class ChatDelta(msgspec.Struct, omit_defaults=True):
 
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallDeltaOut] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

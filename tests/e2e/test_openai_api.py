@@ -295,7 +295,7 @@ def test_one_render_server_uses_two_workers(
         ({"top_p": 2}, "top_p"),
         ({"top_logprobs": 50, "logprobs": True}, "top_logprobs"),
         ({"stop": ["x"] * 100}, "stop"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ],
 )

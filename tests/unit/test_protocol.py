@@ -12,10 +12,12 @@ from hypothesis import strategies as st
 from shared.model_card import ModelCard
 from shared.protocol import (
     MAGIC,
+    MAX_CONSTRAINT_CHARS,
     PROTOCOL_VERSION,
     Abort,
     BadFrame,
     ClientHeartbeat,
+    Constraint,
     Deltas,
     Encoder,
     FrameTooLarge,
@@ -98,6 +100,60 @@ def test_render_messages_round_trip(message: object) -> None:
 def test_worker_messages_round_trip(message: object) -> None:
     frame = Encoder().encode(message)
     assert WorkerMessageDecoder().decode(frame) == message
+
+
+def test_protocol_version_is_2() -> None:
+    # v2 added Generate.constraint; a v1 peer is refused at the frame header.
+    assert PROTOCOL_VERSION == 2
+    frame = bytearray(Encoder().encode(Hello()))
+    frame[2] = 1
+    with pytest.raises(VersionMismatch):
+        RenderMessageDecoder().decode(bytes(frame))
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        Constraint(kind="json_schema", spec='{"type": "object", "required": ["a"]}'),
+        Constraint(kind="json_object"),
+        Constraint(kind="regex", spec="[0-9]{3}-[0-9]{4}"),
+        Constraint(kind="choice", spec='["yes", "no"]', num_resumed_tokens=3),
+        Constraint(kind="grammar", spec='start: "a"+'),
+    ],
+    ids=lambda c: c.kind,
+)
+def test_constrained_generate_round_trips(constraint: Constraint) -> None:
+    message = Generate(
+        request_id="req-c",
+        prompt_token_ids=[1, 2, 3],
+        sampling=SamplingParams(max_tokens=8),
+        constraint=constraint,
+    )
+    decoded = RenderMessageDecoder().decode(Encoder().encode(message))
+    assert decoded == message and decoded.constraint == constraint
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        {"kind": "xml", "spec": "<a/>"},
+        {"kind": "regex", "spec": "a" * (MAX_CONSTRAINT_CHARS + 1)},
+        {"kind": "regex", "spec": "a", "num_resumed_tokens": -1},
+        {"kind": "regex", "spec": "a", "evil": True},
+        {"spec": "a"},
+    ],
+)
+def test_bad_constraints_are_refused_by_the_decoder(constraint: dict) -> None:
+    body = {
+        "type": "generate",
+        "request_id": "a",
+        "prompt_token_ids": [1],
+        "sampling": {},
+        "constraint": constraint,
+    }
+    frame = MAGIC + bytes([PROTOCOL_VERSION]) + msgspec.msgpack.encode(body)
+    with pytest.raises(BadFrame):
+        RenderMessageDecoder().decode(frame)
 
 
 def test_a_direction_refuses_the_other_directions_messages() -> None:

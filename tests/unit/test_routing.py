@@ -11,6 +11,7 @@ from render_server.routing import (
     affinity_hashes,
     choose_worker,
     continuation,
+    round_robin,
 )
 from shared.hashing import prefix_block_hashes
 from shared.protocol import Generate
@@ -49,6 +50,12 @@ def test_an_unknown_or_dead_preferred_worker_is_ignored() -> None:
 def test_no_candidates_is_an_error() -> None:
     with pytest.raises(ValueError):
         choose_worker([])
+
+
+def test_round_robin_takes_each_worker_in_turn() -> None:
+    assert [round_robin(3, rotation) for rotation in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    with pytest.raises(ValueError):
+        round_robin(0, 0)
 
 
 def test_longest_match_names_the_deepest_known_prefix() -> None:

@@ -1,0 +1,356 @@
+"""Structured outputs on the worker: one llguidance matcher per constrained request, and
+the batched token mask the sampler applies to constrained rows only.
+
+Life of a constrained request (see shared.constraints for the grammar side):
+- `Engine.add_request` compiles its matcher (`StructuredOutputs.new_matcher`); a constraint
+  that does not compile is refused with `RequestRejected("invalid_request", ...)`.
+- Every step it samples in, `GrammarMasker.apply` fills one bitmask row per constrained
+  row (in parallel, on llguidance's thread pool), uploads it and sets the logits of
+  disallowed tokens to -inf before any other logit processing. Unconstrained rows are
+  never touched, and a batch without constraints pays one pass over its states.
+- After the scheduler appends the sampled token, `RequestMatcher.sync` feeds it to the
+  matcher. A stopped matcher (the grammar is complete: only EOS could follow) ends the
+  request with "stop" at once, without spending a step on EOS.
+
+Preemption: the scheduler keeps a preempted sequence's output tokens and recomputes
+prompt + output; the next token it samples follows the last output token. So a matcher
+that consumed exactly the output tokens stays valid across preemption. `sync` holds that
+invariant explicitly: it rolls the matcher back if the output ever shrinks and catches up
+if tokens were appended elsewhere, so a change in the engine cannot desync the two.
+
+The worker never loads the render tier's tokenizer; llguidance only needs every token's
+bytes, which `lltokenizer_from_source` reads from the model files (tokenizer.json, or the
+GGUF vocabulary decoded byte-level) without the `tokenizers` package.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import struct
+import threading
+from pathlib import Path
+
+import llguidance
+import numpy as np
+import torch
+
+from shared.constraints import ConstraintError, new_matcher
+from shared.model_source import ModelSource
+from shared.protocol import Constraint
+
+logger = logging.getLogger(__name__)
+
+_GGUF_CONTROL = 3
+_MAX_GREEDY_TOKEN_BYTES = 256
+
+
+class RequestMatcher:
+    """One request's matcher and how many of its output tokens it has consumed."""
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+        self.num_consumed = 0
+
+    @property
+    def is_stopped(self) -> bool:
+        """Nothing but EOS may follow (also true in the error state)."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        """Why the matcher failed (a refused token, a grammar out of fuel), or None."""
+        if not self.matcher.is_error():
+            return None
+        return self.matcher.get_error() or "the constraint failed"
+
+    def sync(self, output_token_ids: list[int]) -> None:
+        """Make the matcher's consumed tokens equal `output_token_ids`."""
+        num_output = len(output_token_ids)
+        if self.num_consumed > num_output:  # the engine dropped tokens: undo them
+            self.matcher.rollback(self.num_consumed - num_output)
+            self.num_consumed = num_output
+        if self.num_consumed < num_output:
+            # A refused token leaves the matcher in its error state, which the engine
+            # turns into a finished request; masking makes that unreachable in practice.
+            self.matcher.consume_tokens(output_token_ids[self.num_consumed :])
+            self.num_consumed = num_output
+
+
+class StructuredOutputs:
+    """The worker's structured-output support: the tokenizer view and matcher factory.
+
+    Building llguidance's tokenizer takes ~0.5 s for a 50k vocabulary, so `start_loading`
+    runs it on a background thread when the engine starts, and the first constrained
+    request does not stall the step loop.
+    """
+
+    def __init__(self, source: ModelSource, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.source = source
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._load_error: str | None = None
+        self._loader: threading.Thread | None = None
+
+    def start_loading(self) -> None:
+        """Build the tokenizer view on a background thread."""
+        if self._loader is None and self._tokenizer is None:
+            self._loader = threading.Thread(
+                target=self._load, name="structured-outputs-vocab", daemon=True
+            )
+            self._loader.start()
+
+    def _load(self) -> None:
+        try:
+            self._tokenizer = lltokenizer_from_source(
+                self.source, self.vocab_size, self.eos_token_ids
+            )
+        except Exception as exc:  # reported to each constrained request instead
+            logger.exception("structured outputs unavailable")
+            self._load_error = f"structured outputs are unavailable on this worker: {exc}"
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """The tokenizer view (waits for the background build); ConstraintError if none."""
+        if self._tokenizer is None and self._load_error is None:
+            self.start_loading()
+            assert self._loader is not None
+            self._loader.join()
+        if self._tokenizer is None:
+            raise ConstraintError(self._load_error or "structured outputs are unavailable")
+        return self._tokenizer
+
+    def new_matcher(self, constraint: Constraint, prompt_token_ids: list[int]) -> RequestMatcher:
+        """A matcher for a new request; ConstraintError if the constraint does not compile
+        or the resumed tokens (a failover's earlier output) do not match it."""
+        matcher = RequestMatcher(new_matcher(constraint, self.tokenizer))
+        resumed = constraint.num_resumed_tokens
+        if resumed:
+            if resumed > len(prompt_token_ids):
+                raise ConstraintError("num_resumed_tokens exceeds the prompt")
+            matcher.sync(prompt_token_ids[-resumed:])
+            if matcher.error is not None:
+                raise ConstraintError(f"resumed tokens do not match: {matcher.error}")
+            # They are prompt tokens here: `sync` counts (and may roll back) output only.
+            matcher.num_consumed = 0
+        return matcher
+
+
+class GrammarMasker:
+    """Applies the constrained rows' token masks to one step's logits."""
+
+    def __init__(self, vocab_size: int, device: torch.device, eos_token_ids: list[int]) -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.eos_token_ids = [t for t in eos_token_ids if 0 <= t < vocab_size]
+        self.num_words = (vocab_size + 31) // 32
+        self._executor: llguidance.LLExecutor | None = None
+        self._host: torch.Tensor | None = None
+        self._bits = torch.arange(32, dtype=torch.int32, device=self.device)
+
+    def apply(self, logits: torch.Tensor, rows: list[int], matchers: list[RequestMatcher]) -> None:
+        """Set logits[rows[i], t] = -inf for every token t that matchers[i] disallows."""
+        bitmask = self.fill(matchers)
+        vocab = logits.shape[1]
+        if self.device.type == "cuda":
+            # Unpacked on the device: 32x less to copy than a per-token mask.
+            packed = bitmask.to(self.device, non_blocking=True)
+            disallowed = ((packed[:, :, None] >> self._bits) & 1) == 0
+            disallowed = disallowed.view(len(rows), -1)[:, :vocab]
+        else:
+            # numpy's unpackbits is much faster than torch bit ops on a CPU.
+            inverted = np.invert(bitmask.numpy().view(np.uint8))
+            bits = np.unpackbits(inverted, axis=1, count=vocab, bitorder="little")
+            disallowed = torch.from_numpy(bits).view(torch.bool)
+        if len(rows) == logits.shape[0]:
+            logits.masked_fill_(disallowed, float("-inf"))
+        else:
+            index = torch.tensor(rows, dtype=torch.long)
+            if self.device.type == "cuda":  # pinned, so the copy does not sync the stream
+                index = index.pin_memory().to(self.device, non_blocking=True)
+            logits[index] = logits[index].masked_fill(disallowed, float("-inf"))
+
+    def fill(self, matchers: list[RequestMatcher]) -> torch.Tensor:
+        """[len(matchers), ceil(vocab / 32)] int32 bitmask on the host, bit t = allowed."""
+        n = len(matchers)
+        host = self._host_rows(n)
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        self._executor.unsafe_compute_mask_ptr(
+            [(m.matcher, row) for row, m in enumerate(matchers)],
+            host.data_ptr(),
+            self.num_words * 4,
+            n,
+        )
+        for row, m in enumerate(matchers):
+            if m.matcher.is_error():
+                # Allow EOS only, so the row stays finite; the engine then ends it.
+                host[row].zero_()
+                for token_id in self.eos_token_ids:
+                    host[row, token_id // 32] |= _bit(token_id % 32)
+        return host
+
+    def _host_rows(self, n: int) -> torch.Tensor:
+        # One reused host buffer: the previous step's copy from it finished at that
+        # step's sync (the sampler's .tolist()), so overwriting it now is safe.
+        if self._host is None or self._host.shape[0] < n:
+            capacity = max(n, 2 * self._host.shape[0] if self._host is not None else 8)
+            self._host = torch.empty(
+                capacity, self.num_words, dtype=torch.int32, pin_memory=self.device.type == "cuda"
+            )
+        return self._host[:n]
+
+
+def _bit(position: int) -> int:
+    """Bit `position` of an int32 word, as the signed value torch stores."""
+    value = 1 << position
+    return value - (1 << 32) if position == 31 else value
+
+
+def lltokenizer_from_source(
+    source: ModelSource, vocab_size: int, eos_token_ids: list[int]
+) -> llguidance.LLTokenizer:
+    """llguidance's view of the model's vocabulary, read from the model files."""
+    if source.kind == "hf":
+        tokenizer_json = Path(source.path) / "tokenizer.json"
+        text = tokenizer_json.read_text(encoding="utf-8")
+        return llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos_token_ids)
+    return _lltokenizer_from_gguf(source.path, vocab_size, eos_token_ids)
+
+
+def _lltokenizer_from_gguf(
+    path: Path, vocab_size: int, eos_token_ids: list[int]
+) -> llguidance.LLTokenizer:
+    fields = _gguf_metadata(path, _GGUF_VOCAB_KEYS)
+    kind = fields.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ConstraintError(f"structured outputs need a byte-level BPE vocabulary, not {kind!r}")
+    tokens: list[str] = fields["tokenizer.ggml.tokens"]
+    token_types: list[int] = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    byte_of = {char: byte for byte, char in _bytes_to_unicode().items()}
+    token_bytes: list[bytes] = []
+    special: list[int] = []
+    for token_id, (token, kind_) in enumerate(zip(tokens, token_types, strict=False)):
+        if kind_ == _GGUF_CONTROL:
+            special.append(token_id)
+            token_bytes.append(token.encode())
+        elif all(char in byte_of for char in token):
+            token_bytes.append(bytes(byte_of[char] for char in token))
+        else:  # some converters store raw text
+            token_bytes.append(token.encode())
+    vocab = _GreedyVocab(
+        token_bytes,
+        special,
+        eos_token_ids[0] if eos_token_ids else 0,
+        fields.get("tokenizer.ggml.bos_token_id"),
+    )
+    return llguidance.LLTokenizer(
+        llguidance.TokenizerWrapper(vocab), n_vocab=vocab_size, eos_token=eos_token_ids
+    )
+
+
+_GGUF_VOCAB_KEYS = frozenset(
+    {
+        "tokenizer.ggml.model",
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.token_type",
+        "tokenizer.ggml.bos_token_id",
+    }
+)
+# GGUF value type -> struct format of a scalar; 8 is a string, 9 an array.
+_GGUF_SCALARS = {
+    0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"
+}  # fmt: skip
+
+
+def _gguf_metadata(path: Path, keys: frozenset[str]) -> dict[str, object]:
+    """The metadata values named in `keys`, read straight from the header.
+
+    gguf.GGUFReader would take seconds here: it builds a numpy view per array element, and
+    a vocabulary is ~100k of them. This walks the key-value section once with `struct`.
+    """
+    with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        if data[:4] != b"GGUF":
+            raise ConstraintError(f"{path.name} is not a GGUF file")
+        (version,) = struct.unpack_from("<I", data, 4)
+        if version < 2:
+            raise ConstraintError(f"{path.name}: GGUF v{version} is not supported")
+        (num_kv,) = struct.unpack_from("<Q", data, 16)
+        offset = 24
+        found: dict[str, object] = {}
+
+        def string(at: int) -> tuple[str, int]:
+            (length,) = struct.unpack_from("<Q", data, at)
+            return data[at + 8 : at + 8 + length].decode("utf-8", "replace"), at + 8 + length
+
+        def value(kind: int, at: int, keep: bool) -> tuple[object, int]:
+            if kind == 8:
+                return string(at)
+            if kind == 9:
+                item_kind, count = struct.unpack_from("<IQ", data, at)
+                at += 12
+                if item_kind in _GGUF_SCALARS:
+                    fmt = _GGUF_SCALARS[item_kind]
+                    size = struct.calcsize(fmt)
+                    items = list(struct.unpack_from(f"<{count}{fmt}", data, at)) if keep else None
+                    return items, at + size * count
+                items = []
+                for _ in range(count):
+                    item, at = value(item_kind, at, keep)
+                    if keep:
+                        items.append(item)
+                return items, at
+            fmt = _GGUF_SCALARS[kind]
+            return struct.unpack_from(f"<{fmt}", data, at)[0], at + struct.calcsize(fmt)
+
+        for _ in range(num_kv):
+            key, offset = string(offset)
+            (kind,) = struct.unpack_from("<I", data, offset)
+            item, offset = value(kind, offset + 4, key in keys)
+            if key in keys:
+                found[key] = item
+                if len(found) == len(keys):
+                    break
+        return found
+
+
+class _GreedyVocab:
+    """The token table llguidance's TokenizerWrapper asks for. Its tokenizer is greedy
+    longest-match: llguidance tokenizes only for prompt healing and forced tokens, which
+    the engine does not use, so it is never on the sampling path."""
+
+    def __init__(self, tokens: list[bytes], special: list[int], eos: int, bos: int | None) -> None:
+        self.tokens = tokens
+        self.special_token_ids = special
+        self.eos_token_id = eos
+        self.bos_token_id = bos
+        skip = set(special)
+        self._ids = {t: i for i, t in enumerate(tokens) if t and i not in skip}
+
+    def __call__(self, text: bytes) -> list[int]:
+        ids: list[int] = []
+        start = 0
+        while start < len(text):
+            for end in range(min(len(text), start + _MAX_GREEDY_TOKEN_BYTES), start, -1):
+                token_id = self._ids.get(text[start:end])
+                if token_id is not None:
+                    ids.append(token_id)
+                    start = end
+                    break
+            else:
+                start += 1  # a byte no token spells (impossible for byte-level BPE)
+        return ids
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, the alphabet of byte-level vocabularies."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    table = {byte: chr(byte) for byte in printable}
+    extra = 0
+    for byte in range(256):
+        if byte not in table:
+            table[byte] = chr(256 + extra)
+            extra += 1
+    return table

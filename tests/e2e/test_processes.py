@@ -1,0 +1,123 @@
+"""`render-serve --processes 2`: two render processes on one port, each connected to the
+worker. Both serve, /metrics in either sums the two, and SIGTERM drains both, exit 0.
+
+Which process answered is read from the access log, whose lines carry the process id."""
+
+from __future__ import annotations
+
+import re
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.conftest import WorkerProcess, start_render
+from tests.e2e.test_admission import MODEL, _body, _stream
+from tests.integration.conftest import ServerProcess, stop_server
+
+_ACCESS = re.compile(r'\[(\d+)\] uvicorn\.access: \S+ - "(\w+) (\S+) HTTP/1\.1" 200')
+
+
+def _answered_by(render: ServerProcess, method: str, path: str) -> Counter[str]:
+    """Requests answered with 200, per render process id."""
+    return Counter(
+        pid
+        for pid, seen_method, seen_path in _ACCESS.findall(render.log())
+        if (seen_method, seen_path) == (method, path)
+    )
+
+
+def _complete(base_url: str) -> int:
+    # A connection per request, so the kernel may hand each to either process.
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2, "temperature": 0}
+    return httpx.post(f"{base_url}/v1/completions", json=body, timeout=120).status_code
+
+
+def _completions_counted(base_url: str) -> float:
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    for family in text_string_to_metric_families(text):
+        if family.name == "duet_render_http_requests":
+            for sample in family.samples:
+                labels = sample.labels
+                if (
+                    sample.name.endswith("_total")
+                    and labels["route"] == "/v1/completions"
+                    and labels["status"] == "200"
+                ):
+                    return sample.value
+    return 0.0
+
+
+def _until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_both_processes_serve_and_metrics_sum_them(worker_a: WorkerProcess, tmp_path) -> None:
+    render = start_render(
+        [worker_a.address], tmp_path / "render.log", ["--processes", "2", "--access-log"]
+    )
+    try:
+        sent = 0
+        deadline = time.monotonic() + 180
+        with ThreadPoolExecutor(6) as threads:
+            # Until both processes have answered (the second may still be loading at first).
+            while sent < 24 or len(_answered_by(render, "POST", "/v1/completions")) < 2:
+                assert time.monotonic() < deadline, render.log()
+                assert list(threads.map(_complete, [render.base_url] * 6)) == [200] * 6
+                sent += 6
+        _until(
+            lambda: sum(_answered_by(render, "POST", "/v1/completions").values()) == sent,
+            10,
+            "every access log line",
+        )
+        # A request is counted just after its last byte left: wait for the last ones once,
+        # then every scrape, whichever process answers it, must say exactly `sent`.
+        _until(lambda: _completions_counted(render.base_url) == sent, 10, "the counters")
+        for _ in range(40):
+            assert _completions_counted(render.base_url) == sent
+            if len(_answered_by(render, "GET", "/metrics")) == 2:
+                break
+        assert len(_answered_by(render, "GET", "/metrics")) == 2, "one process took every scrape"
+        # The per-worker gauges are the answering process's own view, not a sum of two.
+        scrape = httpx.get(f"{render.base_url}/metrics", timeout=30).text
+        assert f'duet_worker_alive{{worker="{worker_a.address}"}} 1.0' in scrape
+    finally:
+        stop_server(render)
+    assert render.process.returncode == 0
+
+
+def test_sigterm_drains_every_process_then_exits_0(worker_a: WorkerProcess, tmp_path) -> None:
+    render = start_render(
+        [worker_a.address], tmp_path / "render.log", ["--processes", "2", "--drain-timeout", "60"]
+    )
+    try:
+        started, out = threading.Event(), {}
+        thread = threading.Thread(target=_stream, args=(render.base_url, _body(40), started, out))
+        thread.start()
+        assert started.wait(60)
+        render.process.send_signal(signal.SIGTERM)
+
+        def ready_is_503() -> bool:
+            try:
+                return httpx.get(f"{render.base_url}/ready", timeout=5).status_code == 503
+            except httpx.TransportError:  # a process closing its connections
+                return False
+
+        _until(ready_is_503, 5, "/ready to turn 503")
+        refused = httpx.post(
+            f"{render.base_url}/v1/chat/completions", json=_body(4, False), timeout=30
+        )
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+        thread.join(120)
+        assert out["finish"] == "length", out  # the in-flight stream ran to its end
+        assert render.process.wait(30) == 0
+    finally:
+        stop_server(render)

@@ -1,0 +1,187 @@
+"""Tool calling and reasoning output through real processes and the openai SDK."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+
+import jsonschema
+import pytest
+from openai import OpenAI
+
+from tests.e2e.conftest import WorkerProcess, start_render
+from tests.integration.conftest import ServerProcess, stop_server
+
+MODEL = "SmolLM2-135M-Instruct"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Current time in a timezone",
+        "parameters": {
+            "type": "object",
+            "properties": {"timezone": {"type": "string", "maxLength": 20}},
+            "required": ["timezone"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+@pytest.fixture(scope="module")
+def tools_server(
+    worker_a: WorkerProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    args = [
+        "--chat-template", "chatml_tools", "--enable-auto-tool-choice",
+        "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+    ]  # fmt: skip
+    server = start_render([worker_a.address], tmp_path_factory.mktemp("tools") / "r.log", args)
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def tools_client(tools_server: ServerProcess) -> OpenAI:
+    return OpenAI(base_url=f"{tools_server.base_url}/v1", api_key="x", max_retries=0)
+
+
+def _check_call(name: str, arguments: str) -> None:
+    assert name in SCHEMAS
+    jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_required_tool_choice_returns_valid_calls(tools_client: OpenAI, temperature) -> None:
+    reply = tools_client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+        max_tokens=120, temperature=temperature, seed=3,
+    )  # fmt: skip
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        _check_call(call.function.name, call.function.arguments)
+
+
+def test_named_tool_choice_streams_valid_arguments(tools_client: OpenAI) -> None:
+    stream = tools_client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, max_tokens=120, temperature=0, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )  # fmt: skip
+    first, arguments, finish = None, [], None
+    for chunk in stream:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for call in choice.delta.tool_calls or []:
+                if first is None:
+                    first = call
+                arguments.append(call.function.arguments or "")
+    assert first is not None and first.id and first.type == "function"
+    assert first.function.name == "get_weather"
+    _check_call("get_weather", "".join(arguments))
+    assert finish == "tool_calls"
+    whole = tools_client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, max_tokens=120, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )  # fmt: skip
+    assert whole.choices[0].message.tool_calls[0].function.arguments == "".join(arguments)
+
+
+def test_round_trip_call_result_answer(tools_client: OpenAI) -> None:
+    first = tools_client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, max_tokens=120, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )  # fmt: skip
+    call = first.choices[0].message.tool_calls[0]
+    history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": call.function.arguments},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18, "sky": "clear"}'},
+    ]
+    final = tools_client.chat.completions.create(
+        model=MODEL, messages=history, tools=TOOLS, tool_choice="none", max_tokens=40, temperature=0
+    )
+    assert final.choices[0].message.content
+    assert not final.choices[0].message.tool_calls
+
+
+def test_auto_tool_choice_gives_content_or_valid_calls(tools_client: OpenAI) -> None:
+    reply = tools_client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=80, temperature=0
+    )
+    message = reply.choices[0].message
+    if message.tool_calls:
+        assert reply.choices[0].finish_reason == "tool_calls"
+        for call in message.tool_calls:
+            _check_call(call.function.name, call.function.arguments)
+    else:
+        assert message.content and "<tool_call>" not in message.content
+
+
+def test_auto_needs_the_server_flags(client: OpenAI) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="auto")
+    assert info.value.body["param"] == "tool_choice"
+
+
+def test_reasoning_is_split_from_the_answer(tools_client: OpenAI) -> None:
+    # A regex constraint makes the small model "think" in qwen3's tags, deterministically.
+    pattern = r"<think>[a-z ]{5,30}</think>[A-Z][a-z]{2,10}\."
+    body = {"structured_outputs": {"regex": pattern}}
+    reply = tools_client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=60, temperature=0, extra_body=body
+    )
+    message = reply.choices[0].message
+    reasoning = message.model_extra["reasoning_content"]
+    assert re.fullmatch(r"[a-z ]{5,30}", reasoning)
+    assert re.fullmatch(r"[A-Z][a-z]{2,10}\.", message.content)
+    stream = tools_client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=60, temperature=0, extra_body=body, stream=True
+    )
+    streamed_reasoning, streamed_content = [], []
+    for chunk in stream:
+        for choice in chunk.choices:
+            extra = choice.delta.model_extra or {}
+            streamed_reasoning.append(extra.get("reasoning_content") or "")
+            streamed_content.append(choice.delta.content or "")
+    assert "".join(streamed_reasoning) == reasoning
+    assert "".join(streamed_content) == message.content
+    hidden = tools_client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=60, temperature=0,
+        extra_body={**body, "include_reasoning": False},
+    )  # fmt: skip
+    assert hidden.choices[0].message.model_extra.get("reasoning_content") is None

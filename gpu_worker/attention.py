@@ -327,8 +327,7 @@ def get_attention_backend(name: str) -> AttentionBackend:
     if name == "torch":
         return TorchAttentionBackend()
     if name == "triton":
-        raise NotImplementedError(
-            "the triton attention backend is not written yet (kernels/paged_attention.py, "
-            "kernels/prefill_attention.py); use attention backend 'torch'"
-        )
+        from gpu_worker.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
     raise ValueError(f"unknown attention backend {name!r}; expected 'torch' or 'triton'")

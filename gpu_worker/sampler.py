@@ -84,7 +84,9 @@ class Sampler:
         bans = self._min_tokens_bans(states)
         uses_penalty = any(_has_penalty(p) for p in params)
         uses_bias = any(p.logit_bias for p in params)
-        constrained = [row for row, s in enumerate(states) if s.matcher is not None]
+        constrained = [
+            row for row, s in enumerate(states) if s.matcher is not None and s.matcher.is_active
+        ]
         if all(p.is_greedy for p in params) and not (
             wants_logprobs or bans or uses_penalty or uses_bias or constrained
         ):

@@ -46,26 +46,67 @@ _MAX_GREEDY_TOKEN_BYTES = 256
 
 
 class RequestMatcher:
-    """One request's matcher and how many of its output tokens it has consumed."""
+    """One request's matcher and how many of its output tokens it has consumed.
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    With a `gate` (the end tag of the model's reasoning, e.g. `</think>`), the constraint
+    applies only to the output after the gate: reasoning is free text, and the answer
+    must match. Until the gate appears in the output the row is not masked at all.
+    """
+
+    def __init__(
+        self,
+        matcher: llguidance.LLMatcher,
+        gate: bytes | None = None,
+        tokenizer: llguidance.LLTokenizer | None = None,
+    ) -> None:
         self.matcher = matcher
         self.num_consumed = 0
+        self._gate = gate
+        self._tokenizer = tokenizer
+        self._gate_tail = b""
+        self._gate_scanned = 0
+        self._offset = 0
+        """Output tokens before the constrained part (the reasoning, gate included)."""
+
+    @property
+    def is_active(self) -> bool:
+        """The constraint applies now (no gate, or the gate was passed)."""
+        return self._gate is None
 
     @property
     def is_stopped(self) -> bool:
         """Nothing but EOS may follow (also true in the error state)."""
-        return self.matcher.is_stopped()
+        return self.is_active and self.matcher.is_stopped()
 
     @property
     def error(self) -> str | None:
         """Why the matcher failed (a refused token, a grammar out of fuel), or None."""
-        if not self.matcher.is_error():
+        if not self.is_active or not self.matcher.is_error():
             return None
         return self.matcher.get_error() or "the constraint failed"
 
+    def _watch_gate(self, output_token_ids: list[int]) -> None:
+        assert self._gate is not None and self._tokenizer is not None
+        new = output_token_ids[self._gate_scanned :]
+        self._gate_scanned = len(output_token_ids)
+        if not new:
+            return
+        self._gate_tail += self._tokenizer.decode_bytes(new)
+        if self._gate in self._gate_tail:
+            # Tags like </think> are single tokens in the models that use them, so the
+            # answer starts at the next token.
+            self._gate = None
+            self._offset = len(output_token_ids)
+        else:
+            self._gate_tail = self._gate_tail[-len(self._gate) :]
+
     def sync(self, output_token_ids: list[int]) -> None:
-        """Make the matcher's consumed tokens equal `output_token_ids`."""
+        """Make the matcher's consumed tokens equal the constrained part of the output."""
+        if self._gate is not None:
+            self._watch_gate(output_token_ids)
+            if self._gate is not None:
+                return
+        output_token_ids = output_token_ids[self._offset :]
         num_output = len(output_token_ids)
         if self.num_consumed > num_output:  # the engine dropped tokens: undo them
             self.matcher.rollback(self.num_consumed - num_output)
@@ -124,7 +165,8 @@ class StructuredOutputs:
     def new_matcher(self, constraint: Constraint, prompt_token_ids: list[int]) -> RequestMatcher:
         """A matcher for a new request; ConstraintError if the constraint does not compile
         or the resumed tokens (a failover's earlier output) do not match it."""
-        matcher = RequestMatcher(new_matcher(constraint, self.tokenizer))
+        gate = constraint.start_after.encode() if constraint.start_after else None
+        matcher = RequestMatcher(new_matcher(constraint, self.tokenizer), gate, self.tokenizer)
         resumed = constraint.num_resumed_tokens
         if resumed:
             if resumed > len(prompt_token_ids):
@@ -134,6 +176,7 @@ class StructuredOutputs:
                 raise ConstraintError(f"resumed tokens do not match: {matcher.error}")
             # They are prompt tokens here: `sync` counts (and may roll back) output only.
             matcher.num_consumed = 0
+            matcher._gate_scanned = matcher._offset = 0
         return matcher
 
 

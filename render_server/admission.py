@@ -107,8 +107,10 @@ class AdmissionMiddleware:
             if message["type"] != "http.response.body":
                 await send(message)
                 return
+            # asyncio.timeout, not wait_for: no task per chunk on the hot path.
             try:
-                await asyncio.wait_for(send(message), timeout)
+                async with asyncio.timeout(timeout):
+                    await send(message)
             except TimeoutError:
                 raise ClientTooSlow from None
 

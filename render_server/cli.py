@@ -195,6 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="split the model's reasoning from its answer: deepseek_r1 or qwen3",
     )
+    tools.add_argument(
+        "--structured-outputs-in-reasoning",
+        action="store_true",
+        help="apply structured-output constraints to the reasoning too (by default they "
+        "hold only for the answer after it)",
+    )
     workers.add_argument(
         "--max-n",
         type=int,

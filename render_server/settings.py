@@ -140,6 +140,9 @@ class RenderSettings(BaseSettings):
     """How to read tool calls in the model's text: hermes, llama3_json, mistral, pythonic."""
     reasoning_parser: str | None = None
     """Split reasoning from the answer: deepseek_r1 or qwen3."""
+    structured_outputs_in_reasoning: bool = False
+    """Apply structured-output constraints to the reasoning too (vLLM's enable_in_reasoning);
+    by default, with a reasoning parser, they hold only for the answer after it."""
     max_n: int = Field(default=16, ge=1, le=128)
     """Largest `n` a request may ask for."""
     access_log: bool = False

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from render_server.routing import (
     PrefixAffinity,
@@ -144,6 +145,8 @@ class RequestStream:
         self.worker_address = link.address
         self.request = request
         self.output_token_ids: list[int] = []
+        self.num_queue_full = 0
+        """Workers that refused it with a full queue (each is tried at most once)."""
         self.finish_reason: FinishReason | None = None
         self._link = link
         self._pending: deque[RequestDelta] = deque()
@@ -259,6 +262,11 @@ class _WorkerLink:
         self._drain_scheduled = False
         self._fd = socket.getsockopt(zmq.FD)
         loop.add_reader(self._fd, self._drain)
+        # A dropped connection (the worker process died) is known at once from the socket's
+        # monitor; heartbeats still catch a worker that hangs with its socket open.
+        self._monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor_fd = self._monitor.getsockopt(zmq.FD)
+        loop.add_reader(self._monitor_fd, self._on_monitor)
 
     @property
     def is_routable(self) -> bool:
@@ -315,7 +323,21 @@ class _WorkerLink:
         self.flush_aborts()
         self.closed = True
         self._loop.remove_reader(self._fd)
+        self._loop.remove_reader(self._monitor_fd)
+        self.socket.disable_monitor()
+        self._monitor.close(linger=0)
         self.socket.close(linger=_CLOSE_LINGER_MS)
+
+    def _on_monitor(self) -> None:
+        disconnected = False
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            disconnected |= event["event"] == zmq.EVENT_DISCONNECTED
+        if disconnected and self.alive and not self.closed:
+            self._pool._lose(self, reason="its connection closed")
 
     def _poke(self) -> None:
         # ZMQ's FD only signals "look at EVENTS", and any send may consume that signal
@@ -560,7 +582,15 @@ class WorkerPool:
             link.last_heartbeat = time.time()
         elif kind is Rejected:
             stream = link.streams.pop(message.request_id, None)
-            if stream is not None:
+            if stream is not None and message.code == "queue_full":
+                stream.num_queue_full += 1
+            if stream is not None and not (
+                # A full queue is this worker's state, not the request's fault: try another.
+                message.code == "queue_full"
+                and not stream.output_token_ids
+                and stream.num_queue_full < len(self._links)
+                and self._move(stream, exclude=link)
+            ):
                 error = f"worker {link.address} rejected the request: {message.message}"
                 stream._fail(WorkerError("rejected", error, reject_code=message.code))
             if message.code == "protocol":
@@ -653,7 +683,7 @@ class WorkerPool:
         link.hello_sent_at = time.monotonic()
         link.send_frame(self._hello)
 
-    def _lose(self, link: _WorkerLink) -> None:
+    def _lose(self, link: _WorkerLink, reason: str | None = None) -> None:
         link.alive = False
         silent = time.monotonic() - link.last_seen
         streams = list(link.streams.values())
@@ -668,9 +698,9 @@ class WorkerPool:
                     WorkerError("worker_lost", f"worker {link.address} stopped responding")
                 )
         logger.warning(
-            "worker %s silent for %.1fs: marked dead; %d of %d requests moved to other workers",
+            "worker %s %s: marked dead; %d of %d requests moved to other workers",
             link.address,
-            silent,
+            reason or f"silent for {silent:.1f}s",
             moved,
             len(streams),
         )

@@ -71,6 +71,9 @@ class Constraint(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     num_resumed_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_PROMPT_TOKENS)] = 0
     """The last this-many prompt tokens were generated under this constraint already (a
     failover resume): the worker's matcher consumes them before the first new token."""
+    start_after: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+    """Apply the constraint only after this text appears in the output (the end tag of
+    the model's reasoning, e.g. `</think>`); before it the output is free."""
 
 
 class Hello(_Message, tag="hello", kw_only=True):

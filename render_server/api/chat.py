@@ -15,6 +15,7 @@ from render_server.chat_output import ChoicePiece, ChoiceProcessor
 from render_server.chat_template import ChatTemplateError, RequestTemplateNotAllowed
 from render_server.errors import ApiError
 from render_server.generation import ChoiceDelta, Generation
+from render_server.reasoning import get_reasoning_parser
 from render_server.schemas.errors import ErrorResponse
 from render_server.schemas.generation import MAX_CHAT_LOGPROBS, ChatCompletionRequest
 from render_server.schemas.responses import (
@@ -136,6 +137,16 @@ async def chat_completions(
                 param="tool_choice",
             )
         constraint = await check_constraint(request, state, plan.constraint, "tools")
+    thinking = (body.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+    if (
+        constraint is not None
+        and settings.reasoning_parser is not None
+        and thinking
+        and not settings.structured_outputs_in_reasoning
+    ):
+        # Reasoning is free text: the constraint holds only for the answer after it.
+        end_tag = get_reasoning_parser(settings.reasoning_parser).end_tag
+        constraint = msgspec.structs.replace(constraint, start_after=end_tag)
     prompt_ids = await _render(state, body, plan.tools)
     max_model_len = state.max_model_len
     check_prompt_length(len(prompt_ids), max_model_len, "messages")
@@ -167,7 +178,6 @@ async def chat_completions(
         state.generation_metrics.record(generation)
         raise worker_error_to_api(exc) from exc
     created = int(time.time())
-    thinking = (body.chat_template_kwargs or {}).get("enable_thinking", True) is not False
     processors = [
         ChoiceProcessor(plan, settings.reasoning_parser, enable_thinking=thinking) for _ in choices
     ]

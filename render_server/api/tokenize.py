@@ -201,7 +201,7 @@ def _parse(body: bytes) -> TokenizeRequest | None:
     """The validated request, or None where FastAPI would answer with an error."""
     try:
         data: Any = json.loads(body)
-    except ValueError:  # JSONDecodeError and UnicodeDecodeError alike
+    except (ValueError, RecursionError):  # bad JSON, bad UTF-8, or nested too deep
         return None
     if type(data) is not dict:
         return None

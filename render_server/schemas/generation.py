@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from render_server.schemas.tokenize import ChatMessage, ToolDefinition
 
 # Bounds checked in the render tier before anything reaches a worker.
+MAX_MESSAGES = 4096
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_CHAT_LOGPROBS = 20
@@ -100,7 +101,7 @@ class SamplingFields(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = None
     """OpenAI's newer name for max_tokens; wins when both are set."""
     logprobs: bool = False

@@ -131,7 +131,7 @@ class TokenizeChatRequest(_StrictBody):
 
     model: str | None = None
     """Must name the served model when given."""
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(max_length=4096)
     add_generation_prompt: bool = True
     """End with the header that starts the assistant's turn."""
     continue_final_message: bool = False

@@ -55,6 +55,7 @@ def tools_server(
     args = [
         "--chat-template", "chatml_tools", "--enable-auto-tool-choice",
         "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+        "--structured-outputs-in-reasoning",
     ]  # fmt: skip
     server = start_render([worker_a.address], tmp_path_factory.mktemp("tools") / "r.log", args)
     yield server
@@ -159,7 +160,9 @@ def test_auto_needs_the_server_flags(client: OpenAI) -> None:
 
 
 def test_reasoning_is_split_from_the_answer(tools_client: OpenAI) -> None:
-    # A regex constraint makes the small model "think" in qwen3's tags, deterministically.
+    # A regex constraint makes the small model "think" in qwen3's tags, deterministically
+    # (this server applies constraints to the reasoning too; the default gate, which
+    # constrains only the answer, is tested in tests/unit/test_structured_gate.py).
     pattern = r"<think>[a-z ]{5,30}</think>[A-Z][a-z]{2,10}\."
     body = {"structured_outputs": {"regex": pattern}}
     reply = tools_client.chat.completions.create(

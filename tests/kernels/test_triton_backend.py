@@ -1,0 +1,45 @@
+"""The model on the Triton backend equals the torch backend (interpreter on CPU)."""
+
+from __future__ import annotations
+
+import torch
+
+from gpu_worker.attention import AttentionMetadata, TorchAttentionBackend, allocate_kv_caches
+from gpu_worker.triton_backend import TritonAttentionBackend
+
+
+def test_mixed_batch_matches_the_torch_backend() -> None:
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_dim, block_size = 6, 2, 64, 16
+    # one prefill chunk over a cached prefix, one fresh prefill, two decodes
+    query_lens, context_lens = [5, 17, 1, 1], [20, 0, 33, 7]
+    tables = [[0, 1], [2, 3], [4, 5, 6], [7]]
+    meta = AttentionMetadata.build(query_lens, context_lens, tables, block_size)
+    tokens = sum(query_lens)
+    q = torch.randn(tokens, num_heads, head_dim)
+    k = torch.randn(tokens, num_kv_heads, head_dim)
+    v = torch.randn(tokens, num_kv_heads, head_dim)
+    outputs = []
+    for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
+        torch.manual_seed(1)
+        [cache] = allocate_kv_caches(1, 8, block_size, num_kv_heads, head_dim, torch.float32, "cpu")
+        cache.normal_()  # the cached prefixes
+        outputs.append(backend.forward(q, k, v, cache, meta, head_dim**-0.5))
+    torch.testing.assert_close(outputs[1], outputs[0], atol=2e-5, rtol=2e-5)
+
+
+def test_pure_decode_batch_matches_the_torch_backend() -> None:
+    torch.manual_seed(2)
+    num_heads, num_kv_heads, head_dim, block_size = 8, 8, 64, 16
+    context_lens, tables = [15, 16, 40], [[0], [1, 2], [3, 4, 5]]
+    meta = AttentionMetadata.build([1, 1, 1], context_lens, tables, block_size)
+    q = torch.randn(3, num_heads, head_dim)
+    k = torch.randn(3, num_kv_heads, head_dim)
+    v = torch.randn(3, num_kv_heads, head_dim)
+    outputs = []
+    for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
+        torch.manual_seed(3)
+        [cache] = allocate_kv_caches(1, 6, block_size, num_kv_heads, head_dim, torch.float32, "cpu")
+        cache.normal_()
+        outputs.append(backend.forward(q, k, v, cache, meta, head_dim**-0.5))
+    torch.testing.assert_close(outputs[1], outputs[0], atol=2e-5, rtol=2e-5)

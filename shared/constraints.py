@@ -9,16 +9,20 @@ precompilation over the whole vocabulary; and its parser limits ("fuel") bound t
 any single grammar can cost, deterministically, so both tiers reject the same grammar
 bombs.
 
-Both tiers build matchers with the same `parser_limits()`. The render tier calls
-`validate` before sending (it also walks the first few tokens, where lazy lexer
-construction happens, so a regex bomb fails there and not on a worker); the worker calls
-`new_matcher` and refuses whatever fails.
+Both tiers build matchers with the same `parser_limits()`, on large-stack threads. The
+render tier calls `validate` before sending: it compiles, walks the first few tokens
+(where lazy lexer construction happens, so a regex bomb fails there and not on a worker)
+and holds both to CPU budgets, so what reaches a worker compiles in well under a second
+and costs little per step. The worker calls `new_matcher` and refuses whatever fails.
 """
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import llguidance
 
@@ -28,6 +32,20 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer as HFTokenizer
 
 MAX_CHOICES = 1024
+MAX_SCHEMA_PROPERTIES = 2000
+"""In all objects of a schema together: llguidance compiles optional properties in time
+quadratic in their number per object (1,000 take 0.1 s, 4,000 take 2.4 s)."""
+MAX_COMPILE_CPU_S = 0.5
+"""CPU budget of compiling a constraint and computing its first mask, in `validate`."""
+MAX_STEP_CPU_S = 0.05
+"""CPU budget of each later mask + token in `validate`. A worker computes every constrained
+row's mask each step, so a constraint costing more would slow all requests batched with
+it; typical steps cost well under 1 ms."""
+COMPILE_STACK_BYTES = 256 << 20
+"""Stack of the threads that build matchers. llguidance recurses once per nested rule: a
+227 KB grammar of 10k chained rules segfaults an 8 MB stack (12k rules a 16 MB one), and
+64 MB held every chain that fits in MAX_CONSTRAINT_CHARS. Reserved address space only:
+pages are committed as the recursion touches them."""
 MAX_ERROR_CHARS = 1024
 """Errors are cut to this length: llguidance's can quote the whole grammar."""
 VALIDATION_WALK_TOKENS = 8
@@ -83,6 +101,7 @@ def grammar_of(constraint: Constraint) -> str:
             schema = _parse_json(spec, "the JSON schema")
             if not isinstance(schema, dict):
                 raise ConstraintError("the JSON schema must be an object")
+            _check_schema_size(schema)
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec)
@@ -104,11 +123,44 @@ def grammar_of(constraint: Constraint) -> str:
         raise
     except ValueError as exc:
         raise ConstraintError(str(exc)) from exc
+    except RecursionError:  # the GBNF converter is recursive Python
+        raise ConstraintError("the grammar is nested too deeply") from None
     raise ConstraintError(f"unknown constraint kind {kind!r}")
 
 
 def new_matcher(constraint: Constraint, tokenizer: llguidance.LLTokenizer) -> llguidance.LLMatcher:
-    """A fresh matcher at the start of the output; ConstraintError if it cannot be built."""
+    """A fresh matcher at the start of the output; ConstraintError if it cannot be built.
+
+    Built on a thread with a large stack (see COMPILE_STACK_BYTES).
+    """
+    return _on_large_stack(_build_matcher, constraint, tokenizer)
+
+
+def validate(constraint: Constraint, tokenizer: llguidance.LLTokenizer | HFTokenizer) -> str | None:
+    """None if the constraint compiles against `tokenizer` within budget, else why not.
+
+    Beyond compiling, it walks a few tokens: lexers are built lazily, so a regex bomb
+    (`a{1000000}`) only exhausts its fuel on the first masks and consumes. Each step takes
+    an allowed token from the middle of the mask. Compiling (with the first mask) must fit
+    in MAX_COMPILE_CPU_S of CPU and every later step in MAX_STEP_CPU_S, measured as this
+    thread's CPU time so that machine load does not move the verdict. A bomb deeper than
+    the walk still fails on the worker after one fuel's worth of work (~0.2 s), ending
+    only that request. Call it off the event loop. A `tokenizers.Tokenizer` is converted
+    first (slow).
+    """
+    if not isinstance(tokenizer, llguidance.LLTokenizer):
+        vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        tokenizer = lltokenizer_from_hf(tokenizer, vocab_size=vocab_size, eos_token_ids=None)
+    try:
+        _on_large_stack(_check, constraint, tokenizer)
+    except ConstraintError as exc:
+        return exc.message
+    return None
+
+
+def _build_matcher(
+    constraint: Constraint, tokenizer: llguidance.LLTokenizer
+) -> llguidance.LLMatcher:
     matcher = llguidance.LLMatcher(
         tokenizer, grammar_of(constraint), log_level=0, limits=parser_limits()
     )
@@ -117,34 +169,63 @@ def new_matcher(constraint: Constraint, tokenizer: llguidance.LLTokenizer) -> ll
     return matcher
 
 
-def validate(constraint: Constraint, tokenizer: llguidance.LLTokenizer | HFTokenizer) -> str | None:
-    """None if the constraint compiles against `tokenizer`, else why not.
-
-    Beyond compiling, it walks a few tokens: lexers are built lazily, so a regex bomb
-    (`a{1000000}`) only exhausts its fuel on the first masks and consumes. Each step takes
-    an allowed token from the middle of the mask. A bomb placed deeper than the walk still
-    fails on the worker, after at most one fuel's worth of work (~0.2 s), ending only
-    that request. Call it off the event loop. A `tokenizers.Tokenizer` is converted first
-    (slow).
-    """
-    if not isinstance(tokenizer, llguidance.LLTokenizer):
-        vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        tokenizer = lltokenizer_from_hf(tokenizer, vocab_size=vocab_size, eos_token_ids=None)
-    try:
-        matcher = new_matcher(constraint, tokenizer)
-    except ConstraintError as exc:
-        return exc.message
+def _check(constraint: Constraint, tokenizer: llguidance.LLTokenizer) -> None:
+    """Compile and walk (see `validate`); raise ConstraintError on any failure."""
+    started = time.thread_time()
+    matcher = _build_matcher(constraint, tokenizer)
     eos = set(tokenizer.eos_tokens)
-    for _ in range(VALIDATION_WALK_TOKENS):
+    for step in range(VALIDATION_WALK_TOKENS):
+        step_started = time.thread_time()
         allowed = [t for t in _allowed_tokens(matcher.compute_bitmask()) if t not in eos]
+        if step == 0:
+            _check_cpu(time.thread_time() - started, MAX_COMPILE_CPU_S, "compiling it")
         if matcher.is_error() or not allowed:
             break
         matcher.consume_token(allowed[len(allowed) // 2])
+        if step > 0:
+            _check_cpu(time.thread_time() - step_started, MAX_STEP_CPU_S, "one token step")
         if matcher.is_error() or matcher.is_stopped():
             break
     if matcher.is_error():
-        return ConstraintError(matcher.get_error()).message
-    return None
+        raise ConstraintError(matcher.get_error())
+
+
+def _check_cpu(seconds: float, budget: float, what: str) -> None:
+    if seconds > budget:
+        raise ConstraintError(
+            f"constraint too complex: {what} takes {seconds * 1000:.0f} ms of CPU "
+            f"(at most {budget * 1000:.0f} ms)"
+        )
+
+
+_T = TypeVar("_T")
+_STACK_LOCK = threading.Lock()
+
+
+def _on_large_stack(fn: Callable[..., _T], *args: object) -> _T:
+    """fn(*args) on a fresh thread with a COMPILE_STACK_BYTES stack; its result or error."""
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(fn(*args))
+        except BaseException as exc:  # re-raised in the caller
+            outcome.append(exc)
+
+    # threading.stack_size is process-wide, so it is set only while this thread starts; a
+    # thread another caller starts meanwhile merely reserves a larger (lazily used) stack.
+    with _STACK_LOCK:
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="constraint-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    [result] = outcome
+    if isinstance(result, BaseException):
+        raise result
+    return result  # type: ignore[return-value]
 
 
 def _allowed_tokens(bitmask: bytes) -> list[int]:
@@ -161,3 +242,25 @@ def _parse_json(text: str, what: str) -> object:
         return json.loads(text)
     except ValueError as exc:
         raise ConstraintError(f"{what} is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise ConstraintError(f"{what} is nested too deeply") from None
+
+
+def _check_schema_size(schema: dict) -> None:
+    """Refuse schemas with more than MAX_SCHEMA_PROPERTIES properties in all (iteratively:
+    the schema may nest as deep as json.loads allows)."""
+    total = 0
+    stack: list[object] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            properties = node.get("properties")
+            if isinstance(properties, dict):
+                total += len(properties)
+                if total > MAX_SCHEMA_PROPERTIES:
+                    raise ConstraintError(
+                        f"the JSON schema has more than {MAX_SCHEMA_PROPERTIES} properties"
+                    )
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)

@@ -8,6 +8,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -305,12 +308,49 @@ def test_valid_constraints_validate(constraint: Constraint, lltokenizer: Any) ->
         (Constraint(kind="choice", spec='["a", 1]'), "list of strings"),
         (Constraint(kind="regex", spec="a{1000000}"), "lexer"),  # a bomb: out of fuel
         (Constraint(kind="regex", spec="(a{100}){100}{100}"), "lexer"),
+        (json_schema({"properties": {f"p{i}": {} for i in range(2001)}}), "2000 properties"),
+        (
+            Constraint(kind="json_schema", spec='{"items": ' * 5000 + "{}" + "}" * 5000),
+            "nested too deeply",
+        ),
     ],
 )
 def test_invalid_constraints_say_why(constraint: Constraint, words: str, lltokenizer: Any) -> None:
     error = validate(constraint, lltokenizer)
     assert error is not None and words in error
     assert len(error) < 1100
+
+
+CHAIN_CHILD = """
+import sys
+from gpu_worker.structured import lltokenizer_from_source
+from shared.constraints import new_matcher, validate
+from shared.model_source import resolve_model
+from shared.protocol import MAX_CONSTRAINT_CHARS, Constraint
+
+rules = "\\n".join(f'r{i}: "a" r{i + 1} | "b"' for i in range(10_000))
+chain = Constraint(kind="grammar", spec=f'start: r0\\n{rules}\\nr10000: "z"')
+assert len(chain.spec) <= MAX_CONSTRAINT_CHARS
+tokenizer = lltokenizer_from_source(resolve_model(sys.argv[1]), 49152, [2])
+assert not new_matcher(chain, tokenizer).is_error()
+print(validate(chain, tokenizer))
+"""
+
+
+def test_a_deeply_chained_grammar_compiles_instead_of_overflowing_the_stack(
+    smollm2_source: ModelSource,
+) -> None:
+    # 10k rules, each referring to the next: building this matcher on an 8 MB stack
+    # segfaults. In a child process, so a regression fails this test, not the session.
+    child = subprocess.run(
+        [sys.executable, "-c", CHAIN_CHILD, str(smollm2_source.path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[2],
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.strip() == "None" or "too complex" in child.stdout
 
 
 def test_a_slow_constraint_misses_the_render_deadline(smollm2_tokenizer: Any) -> None:

@@ -235,6 +235,7 @@ async def _collect(
         result = output.processors[index].whole("".join(totals.text))
         reasoning = result.reasoning if output.include_reasoning else None
         message = ChatMessageOut(
+            role="assistant",
             content=result.content,
             tool_calls=result.tool_calls,
             reasoning_content=reasoning,

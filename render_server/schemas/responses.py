@@ -86,10 +86,11 @@ class ToolCallDeltaOut(msgspec.Struct, omit_defaults=True):
 
 
 class ChatMessageOut(msgspec.Struct, omit_defaults=True):
-    """The assistant's reply (`content` is always present, null when only tools were called)."""
+    """The assistant's reply (`role` and `content` are always present; `content` is null
+    when only tools were called); fields at their defaults are left out."""
 
+    role: str
     content: str | None
-    role: str = "assistant"
     tool_calls: list[ToolCallOut] = []
     reasoning_content: str | None = None
     """The model's reasoning, split off by the --reasoning-parser."""

@@ -222,8 +222,9 @@ def test_disconnect_mid_stream_frees_the_worker(
             for line in lines:
                 if line.startswith("data:") and '"content"' in line and '""' not in line:
                     break
-            busy = probe.latest()
-            assert busy.stats.num_running >= 1
+            deadline = time.monotonic() + 10
+            while probe.latest(1.0).stats.num_running < 1:
+                assert time.monotonic() < deadline, "the worker never showed the request"
         closed_at = time.monotonic()
         while time.monotonic() - closed_at < 5:
             stats = probe.latest(1.0).stats

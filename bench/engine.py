@@ -317,23 +317,30 @@ def run_dtype(
     return rows
 
 
+def load_average() -> str:
+    return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def machine() -> str:
-    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     return (
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
         f"torch {torch.__version__}, {torch.get_num_threads()} torch thread(s), "
-        f"Python {platform.python_version()}, load average {load}"
+        f"Python {platform.python_version()}"
     )
 
 
 def cpu_model() -> str:
+    """The CPU's name and the vector extensions that decide fp32/bf16 matmul speed."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        info = Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return platform.processor() or platform.machine()
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if "model name" in ln), "")
+    flags = next(
+        (ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []
+    )
+    wanted = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name or platform.machine()} ({', '.join(wanted) or 'no AVX2'})"
 
 
 def main() -> None:
@@ -380,7 +387,7 @@ def main() -> None:
         f"{min(work.output_lens)}-{max(work.output_lens)} ({work.useful_tokens} tokens)",
         flush=True,
     )
-    started = machine()
+    load_at_start = load_average()
     rows = [row for dtype in args.dtypes for row in run_dtype(args, dtype, work, source)]
     table = [
         "| case | transformers tok/s | duet tok/s | duet / transformers (wall) "
@@ -398,8 +405,8 @@ def main() -> None:
             "",
             f"`{command}`",
             "",
-            f"Machine: {cpu_model()}; {started} at the start, {machine().split('load ')[-1]} "
-            "at the end.",
+            f"Machine: {cpu_model()}; {machine()}; load average {load_at_start} at the "
+            f"start, {load_average()} at the end.",
             "",
             f"SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized), {len(work.prompts)} chat prompts "
             f"of {min(lens)}-{max(lens)} tokens, outputs uniform over "

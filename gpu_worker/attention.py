@@ -147,28 +147,43 @@ class PrefillSeq:
 
 
 @dataclass
+class DecodeGroup:
+    """Single-query sequences attended in one SDPA call."""
+
+    rows: slice | torch.Tensor
+    """Their rows in the batch: a slice when contiguous, else an int64 index."""
+    block_ids: torch.Tensor
+    """[num_seqs * num_blocks] int64: each one's block table cut to the group's longest."""
+    mask: torch.Tensor
+    """[num_seqs, 1, 1, num_blocks * block_size] additive (0 / -inf): keys past each
+    sequence's length are hidden."""
+
+
+@dataclass
 class TorchAttentionPlan:
     """What every layer of one step does, worked out once from the metadata.
 
-    Sequences with one query token (decodes) run as one batched SDPA call; longer ones
-    (prefill chunks) run one call each. Index tensors and masks are shared by all layers.
+    Sequences with one query token (decodes) are sorted by length and cut into groups,
+    one SDPA call each; longer ones (prefill chunks) run one call each. Index tensors and
+    masks are shared by all layers.
+
+    Why groups: a decode's keys are scattered over cache blocks, so they are gathered
+    into one padded tensor first. Gathering the whole batch at once (17 MB a layer at 32
+    sequences of 370 tokens) writes it out to memory and reads it back for SDPA; a group
+    of ~4 MB stays in the CPU's cache between the two. That cut the attention time by a
+    quarter there (5-8% of the step); results are the same bit for bit, since every row
+    is computed alone. Sorting keeps each group's padding short.
     """
 
-    decode_rows: slice | torch.Tensor | None
-    """Rows of the decode tokens in the batch: a slice when contiguous (the scheduler
-    puts running sequences first), else an index; None when there are none."""
-    decode_block_ids: torch.Tensor | None
-    """[num_decodes, num_blocks] int64 block tables, cut to the longest decode."""
-    decode_mask: torch.Tensor | None
-    """[num_decodes, 1, 1, num_blocks * block_size] additive (0 / -inf): keys past each
-    sequence's length are hidden."""
+    decode: list[DecodeGroup]
     prefills: list[PrefillSeq]
 
     @classmethod
     def build(
-        cls, meta: AttentionMetadata, block_size: int, dtype: torch.dtype
+        cls, meta: AttentionMetadata, kv_cache: torch.Tensor, dtype: torch.dtype
     ) -> TorchAttentionPlan:
-        """Plan the step for a cache of `block_size`-token blocks and queries of `dtype`."""
+        """Plan the step for one layer's `kv_cache` (all layers share its shape) and
+        queries of `dtype`."""
         # Host copies when the builder passed them: no device read-back on CUDA.
         starts = meta.query_start_loc_host
         if starts is None:
@@ -176,15 +191,14 @@ class TorchAttentionPlan:
         context_lens = meta.context_lens_host
         if context_lens is None:
             context_lens = meta.context_lens.tolist()
+        block_size = kv_cache.shape[2]
         device = meta.block_tables.device
-        decode_seqs: list[int] = []
-        decode_rows: list[int] = []
+        decodes: list[int] = []
         prefills: list[PrefillSeq] = []
         for i, ctx in enumerate(context_lens):
             start, end = starts[i], starts[i + 1]
             if end - start == 1:
-                decode_seqs.append(i)
-                decode_rows.append(start)
+                decodes.append(i)
             elif end - start > 1 and ctx == 0:
                 prefills.append(PrefillSeq(start, end, None, None))
             elif end - start > 1:
@@ -193,18 +207,49 @@ class TorchAttentionPlan:
                 q_pos = torch.arange(ctx, seq_len, device=device)
                 hidden = torch.arange(seq_len, device=device)[None, :] > q_pos[:, None]
                 prefills.append(PrefillSeq(start, end, blocks, _additive_mask(hidden, dtype)))
-        if not decode_seqs:
-            return cls(None, None, None, prefills)
 
-        seqs = _as_index(decode_seqs, device)
-        max_len = max(context_lens[i] for i in decode_seqs) + 1
-        num_blocks = -(-max_len // block_size)
+        # Gathered bytes per key position (K and V); GPUs have no such cache to fit.
+        token_bytes = 2 * kv_cache[0, 0, 0].numel() * kv_cache.element_size()
+        budget = _DECODE_GROUP_BYTES if kv_cache.device.type == "cpu" else None
+        decodes.sort(key=lambda i: context_lens[i])
+        groups: list[list[int]] = []
+        for i in decodes:  # ascending length: the newest member is the group's longest
+            if groups and (
+                budget is None
+                or (len(groups[-1]) + 1) * (context_lens[i] + 1) * token_bytes <= budget
+            ):
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        plan = [
+            cls._decode_group(meta, group, starts, context_lens, block_size, dtype)
+            for group in groups
+        ]
+        return cls(plan, prefills)
+
+    @staticmethod
+    def _decode_group(
+        meta: AttentionMetadata,
+        seqs: list[int],
+        starts: list[int],
+        context_lens: list[int],
+        block_size: int,
+        dtype: torch.dtype,
+    ) -> DecodeGroup:
+        device = meta.block_tables.device
+        index = _as_index(seqs, device)
+        num_blocks = -(-(context_lens[seqs[-1]] + 1) // block_size)
         # Padding entries (0 or -1) read some block's keys; the mask hides them.
-        tables = meta.block_tables[seqs, :num_blocks].clamp(min=0).long()
+        tables = meta.block_tables[index, :num_blocks].clamp(min=0).long()
         key_pos = torch.arange(num_blocks * block_size, device=device)
-        hidden = key_pos[None, :] >= meta.seq_lens[seqs][:, None]
-        mask = _additive_mask(hidden, dtype)
-        return cls(_as_index(decode_rows, device), tables, mask[:, None, None, :], prefills)
+        hidden = key_pos[None, :] >= meta.seq_lens[index][:, None]
+        mask = _additive_mask(hidden, dtype)[:, None, None, :]
+        rows = _as_index([starts[i] for i in seqs], device)
+        return DecodeGroup(rows, tables.reshape(-1), mask)
+
+
+_DECODE_GROUP_BYTES = 4 << 20
+"""Gathered keys and values per decode group on CPU: about one core's L2."""
 
 
 def _additive_mask(hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -245,36 +290,34 @@ class TorchAttentionBackend:
         self.write_kv(k, v, kv_cache, meta.slot_mapping)
         plan = meta.torch_plan
         if plan is None:
-            plan = meta.torch_plan = TorchAttentionPlan.build(meta, kv_cache.shape[2], q.dtype)
-        if not plan.prefills:
-            if plan.decode_rows is None:  # no tokens at all
-                return torch.empty_like(q)
-            return self._decode(q, kv_cache, plan, scale)  # every row is a decode
+            plan = meta.torch_plan = TorchAttentionPlan.build(meta, kv_cache, q.dtype)
+        if not plan.prefills and len(plan.decode) == 1:
+            group = plan.decode[0]
+            if isinstance(group.rows, slice) and group.rows == slice(0, q.shape[0]):
+                return self._decode(q, kv_cache, group, scale)  # one group, every row
         out = torch.empty_like(q)
-        if plan.decode_rows is not None:
-            out[plan.decode_rows] = self._decode(q[plan.decode_rows], kv_cache, plan, scale)
+        for group in plan.decode:
+            out[group.rows] = self._decode(q[group.rows], kv_cache, group, scale)
         for seq in plan.prefills:
             out[seq.start : seq.end] = self._prefill(q, k, v, kv_cache, seq, scale)
         return out
 
     def _decode(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, plan: TorchAttentionPlan, scale: float
+        self, q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup, scale: float
     ) -> torch.Tensor:
-        # Gather every decode's blocks at once (keys and values in one op), pad to the
-        # longest and mask the tail, so the whole batch is one SDPA call.
-        tables = plan.decode_block_ids
-        assert tables is not None
+        # Gather the group's blocks (keys and values in one op), padded to its longest
+        # sequence with the tail masked, so the group is one SDPA call.
         num_kv_heads, head_dim = kv_cache.shape[-2:]
-        batch = tables.shape[0]
-        kv = _gather_blocks(kv_cache, tables.view(-1)).view(2, batch, -1, num_kv_heads, head_dim)
-        keys, values = kv.transpose(2, 3).unbind(0)  # [batch, kv_heads, keys, dim] each
+        batch = group.mask.shape[0]
+        kv = _gather_blocks(kv_cache, group.block_ids)
+        keys, values = kv.view(2, batch, -1, num_kv_heads, head_dim).transpose(2, 3).unbind(0)
         # q head h reads kv head h // group, so [batch, heads, dim] viewed as [batch,
         # kv_heads, group, dim] lines each kv head up with its queries: no GQA expansion.
         out = F.scaled_dot_product_attention(
             q.reshape(batch, num_kv_heads, -1, head_dim),
             keys,
             values,
-            attn_mask=plan.decode_mask,
+            attn_mask=group.mask,
             scale=scale,
         )
         return out.reshape(batch, -1, head_dim)

@@ -161,7 +161,7 @@ class ForwardTimer:
         )
         self.seconds = 0.0
 
-    def _timed(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def timed(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self._sync()
         start = time.perf_counter()
         out = fn(*args, **kwargs)
@@ -170,26 +170,31 @@ class ForwardTimer:
         return out
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(self._model, *args, **kwargs)
+        return self.timed(self._model, *args, **kwargs)
 
     def compute_logits(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(self._model.compute_logits, *args, **kwargs)
+        return self.timed(self._model.compute_logits, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
 
 
 def make_engine(
-    args: argparse.Namespace, dtype: str, max_num_seqs: int
+    args: argparse.Namespace, dtype: str, max_num_seqs: int, **engine_args: Any
 ) -> tuple[Engine, ForwardTimer]:
     engine = Engine(
         model=args.model,
         device=args.device,
         dtype=dtype,
         max_num_seqs=max_num_seqs,
+        **engine_args,
     )
     timer = ForwardTimer(engine.runner.model, engine.device)
     engine.runner.model = timer
+    graphs = engine.runner.decode_graphs
+    if graphs is not None:  # replays bypass runner.model; they are forward time too
+        run_graph = graphs.run
+        graphs.run = lambda *a, **kw: timer.timed(run_graph, *a, **kw)  # type: ignore[method-assign]
     # Warm up on prompts outside the workload, then forget them from the prefix cache.
     warm = [[100 + i + 1000 * j for i in range(120)] for j in range(min(max_num_seqs, 4))]
     engine.generate(warm, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))

@@ -47,6 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of GPU memory for weights, KV cache and activations",
     )
     add("--attention-backend", default="auto", help="auto, torch or triton")
+    add(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs: run every decode step eagerly (graphs are used on CUDA only)",
+    )
+    add(
+        "--cuda-graph-max-batch-size",
+        type=int,
+        default=None,
+        help="largest decode batch captured in a CUDA graph (default min(max-num-seqs, 512))",
+    )
     add("--no-prefix-caching", action="store_true", help="disable prefix caching")
     add("--max-waiting", type=int, default=4096, help="queued requests before queue_full")
     add(
@@ -85,6 +96,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         gpu_memory_utilization=args.gpu_memory_utilization,
         attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
+        cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
         enable_prefix_caching=not args.no_prefix_caching,
         max_waiting=args.max_waiting,
     )

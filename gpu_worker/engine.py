@@ -20,6 +20,7 @@ import torch
 
 from gpu_worker.attention import allocate_kv_caches, get_attention_backend
 from gpu_worker.config import CacheConfig, SchedulerConfig
+from gpu_worker.cuda_graphs import DecodeGraphRunner
 from gpu_worker.device import (
     kv_cache_bytes_per_block,
     num_kv_blocks,
@@ -120,6 +121,7 @@ class Engine:
             self.eos_token_ids,
         )
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device)
+        self.runner.decode_graphs = self._decode_graphs(backend_name, kv_caches, max_model_len)
         self.sampler = Sampler(mc.vocab_size, self.device, self.eos_token_ids)
         self.structured = StructuredOutputs(source, mc.vocab_size, self.eos_token_ids)
         self.structured.start_loading()
@@ -139,6 +141,29 @@ class Engine:
         self._states: dict[str, SamplingRequestState] = {}
         self._num_steps = 0
         self._offline_ids = itertools.count()
+
+    def _decode_graphs(
+        self, backend_name: str, kv_caches: list[torch.Tensor], max_model_len: int
+    ) -> DecodeGraphRunner | None:
+        """Capture the decode graphs where they apply: CUDA, the Triton backend (the torch
+        backend plans each step on the host), and not `enforce_eager`."""
+        config = self.config
+        if self.device.type != "cuda" or backend_name != "triton" or config.enforce_eager:
+            return None
+        max_batch = config.cuda_graph_max_batch_size or min(config.max_num_seqs, 512)
+        if max_batch < 1:
+            raise ValueError(f"cuda_graph_max_batch_size must be positive, got {max_batch}")
+        graphs = DecodeGraphRunner(
+            self.model,
+            kv_caches,
+            max_batch_size=min(max_batch, config.max_num_seqs),
+            max_blocks_per_seq=-(-max_model_len // config.block_size),
+            block_size=config.block_size,
+            device=self.device,
+            capture=True,
+        )
+        graphs.capture_all()
+        return graphs
 
     # ---- the core the server drives ------------------------------------------------
 

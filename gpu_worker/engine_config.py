@@ -33,6 +33,10 @@ class EngineConfig:
     """Share of GPU memory the worker may use in all (weights, cache, activations)."""
     attention_backend: str = "auto"
     """auto (triton on CUDA, torch on CPU), torch or triton."""
+    enforce_eager: bool = False
+    """Run every step eagerly: no CUDA graphs for decode steps (graphs are CUDA-only)."""
+    cuda_graph_max_batch_size: int | None = None
+    """Largest decode batch captured in a graph; default min(max_num_seqs, 512)."""
     enable_prefix_caching: bool = True
     """Share full KV blocks between requests with the same prefix."""
     max_waiting: int = 4096

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from gpu_worker.attention import AttentionMetadata
+from gpu_worker.cuda_graphs import DecodeGraphRunner
 from gpu_worker.scheduler import ScheduledSequence
 
 
@@ -34,12 +35,20 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        self.decode_graphs: DecodeGraphRunner | None = None
+        """Set by the engine on CUDA: pure-decode steps then replay captured graphs."""
+        self.num_graph_steps = 0
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> torch.Tensor:
         """Run one step; return fp32 logits for each sampling sequence, in batch order."""
         input_ids, positions, meta, sample_rows = self._prepare(scheduled)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(meta):
+            hidden = graphs.run(input_ids, positions, meta)
+            self.num_graph_steps += 1
+        else:
+            hidden = self.model(input_ids, positions, meta, self.kv_caches)
         if sample_rows is None:
             return self.model.compute_logits(hidden)
         if sample_rows.numel() == 0:

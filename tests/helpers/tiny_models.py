@@ -75,6 +75,17 @@ def save_tiny_model(
     return out_dir, model
 
 
+def save_tiny_tokenizer(out_dir: Path, vocab_size: int) -> None:
+    """A word-level `tokenizer.json` with one token per id, so an `Engine` (which identifies
+    its vocabulary by that file) can serve a tiny model directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+
+
 @dataclass
 class _SeqState:
     block_table: list[int] = field(default_factory=list)

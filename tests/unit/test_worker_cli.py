@@ -1,0 +1,39 @@
+"""gpu-worker's flags reach EngineConfig unchanged."""
+
+from __future__ import annotations
+
+from gpu_worker.cli import build_parser, config_from_args
+from gpu_worker.engine_config import EngineConfig
+
+
+def test_defaults_equal_the_engine_defaults() -> None:
+    config = config_from_args(build_parser().parse_args([]))
+    assert config == EngineConfig(model=config.model)
+
+
+def test_every_engine_flag_is_carried() -> None:
+    args = build_parser().parse_args(
+        [
+            "--model", "m.gguf",
+            "--device", "cuda:1",
+            "--dtype", "float16",
+            "--block-size", "32",
+            "--max-num-seqs", "64",
+            "--max-num-batched-tokens", "4096",
+            "--max-model-len", "1024",
+            "--kv-cache-memory-gb", "2.5",
+            "--gpu-memory-utilization", "0.8",
+            "--attention-backend", "triton",
+            "--enforce-eager",
+            "--cuda-graph-max-batch-size", "48",
+            "--no-prefix-caching",
+            "--max-waiting", "10",
+        ]
+    )  # fmt: skip
+    config = config_from_args(args)
+    assert config.model == "m.gguf" and config.device == "cuda:1" and config.dtype == "float16"
+    assert (config.block_size, config.max_num_seqs, config.max_num_batched_tokens) == (32, 64, 4096)
+    assert config.max_model_len == 1024 and config.kv_cache_memory_gb == 2.5
+    assert config.gpu_memory_utilization == 0.8 and config.attention_backend == "triton"
+    assert config.enforce_eager is True and config.cuda_graph_max_batch_size == 48
+    assert config.enable_prefix_caching is False and config.max_waiting == 10

@@ -235,14 +235,12 @@ class Sampler:
         # Ones, not empty: rows that draw nothing (greedy) must not hold NaN garbage.
         q = torch.ones_like(probs)
         if any(s.generator is None and not s.params.is_greedy for s in states):
-            q.exponential_()
+            _exponential_(q)
         for row, s in enumerate(states):
             if s.generator is not None and not s.params.is_greedy:
                 # Drawn on its own tensor, the same shape every step, so the values depend
                 # only on the generator's state, never on the row index or batch size.
-                q[row] = torch.empty(x.shape[1], device=x.device).exponential_(
-                    generator=s.generator
-                )
+                q[row] = _exponential_(torch.empty(x.shape[1], device=x.device), s.generator)
         # q == 0 would turn a masked token's 0 / 0 into NaN, which argmax picks.
         q.clamp_min_(torch.finfo(torch.float32).tiny)
         return _argmax_rows(probs / q)
@@ -256,6 +254,15 @@ class Sampler:
         out.ranks = (raw > chosen).sum(dim=-1) + 1
         top = torch.topk(raw, k, dim=-1)
         out.top_ids, out.top_logprobs = top.indices, top.values
+
+
+def _exponential_(t: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Fill `t` with Exp(1) draws in place, by inverting the CDF: -log(1 - U).
+
+    The same distribution as `Tensor.exponential_`, which on CPU costs 6.6x as much
+    (26.9 ms against 4.1 ms for 32 x 49,152 draws on one thread), a tenth of a batch-32
+    decode step of SmolLM2 when every row samples."""
+    return t.uniform_(generator=generator).neg_().log1p_().neg_()
 
 
 def _argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -64,20 +64,30 @@ def _model_and_caches(
     return model, caches
 
 
+def _runner(
+    model: torch.nn.Module,
+    caches: list[torch.Tensor],
+    max_batch_size: int,
+    max_blocks_per_seq: int,
+    capture: bool = False,
+) -> DecodeGraphRunner:
+    return DecodeGraphRunner(
+        model,
+        caches,
+        max_batch_size=max_batch_size,
+        max_blocks_per_seq=max_blocks_per_seq,
+        block_size=BLOCK_SIZE,
+        device=torch.device("cpu"),
+        capture=capture,
+    )
+
+
 def test_padding_rows_leave_the_cache_alone_and_match_eager(tiny_dir: Path) -> None:
     model, caches = _model_and_caches(tiny_dir, num_blocks=12)
     for cache in caches:
         cache.normal_()
     eager_caches = [c.clone() for c in caches]
-    runner = DecodeGraphRunner(
-        model,
-        caches,
-        max_batch_size=8,
-        max_blocks_per_seq=4,
-        block_size=BLOCK_SIZE,
-        device=torch.device("cpu"),
-        capture=False,
-    )
+    runner = _runner(model, caches, 8, 4)
     runner.capture_all()
     tables = [[3, 7], [1], [10, 2, 5]]
     context_lens = [20, 9, 40]
@@ -105,15 +115,7 @@ def test_padding_rows_leave_the_cache_alone_and_match_eager(tiny_dir: Path) -> N
 
 def test_steps_too_big_or_not_pure_decode_run_eagerly(tiny_dir: Path) -> None:
     model, caches = _model_and_caches(tiny_dir, num_blocks=8)
-    runner = DecodeGraphRunner(
-        model,
-        caches,
-        max_batch_size=2,
-        max_blocks_per_seq=2,
-        block_size=BLOCK_SIZE,
-        device=torch.device("cpu"),
-        capture=False,
-    )
+    runner = _runner(model, caches, 2, 2)
     assert not runner.can_run(AttentionMetadata.build([1] * 3, [1, 1, 1], [[0]] * 3, BLOCK_SIZE))
     assert not runner.can_run(AttentionMetadata.build([4], [0], [[0]], BLOCK_SIZE))
     assert not runner.can_run(AttentionMetadata.build([1], [40], [[0, 1, 2]], BLOCK_SIZE))
@@ -121,15 +123,7 @@ def test_steps_too_big_or_not_pure_decode_run_eagerly(tiny_dir: Path) -> None:
         runner.run(torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64),
                    AttentionMetadata.build([1] * 3, [1, 1, 1], [[0]] * 3, BLOCK_SIZE))  # fmt: skip
     with pytest.raises(ValueError, match="CUDA"):
-        DecodeGraphRunner(
-            model,
-            caches,
-            max_batch_size=2,
-            max_blocks_per_seq=2,
-            block_size=BLOCK_SIZE,
-            device=torch.device("cpu"),
-            capture=True,
-        )
+        _runner(model, caches, 2, 2, capture=True)
 
 
 def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -154,15 +148,7 @@ def test_engine_outputs_equal_with_the_graph_path(tiny_dir: Path) -> None:
     eager = engine.generate(prompts, params)
     assert engine.runner.decode_graphs is None  # CPU: no graphs unless asked for
     engine.reset_prefix_cache()
-    graphs = DecodeGraphRunner(
-        engine.model,
-        engine.runner.kv_caches,
-        max_batch_size=8,
-        max_blocks_per_seq=96 // BLOCK_SIZE,
-        block_size=BLOCK_SIZE,
-        device=torch.device("cpu"),
-        capture=False,
-    )
+    graphs = _runner(engine.model, engine.runner.kv_caches, 8, 96 // BLOCK_SIZE)
     graphs.capture_all()
     engine.runner.decode_graphs = graphs
     with_graphs = engine.generate(prompts, params)

@@ -7,34 +7,43 @@ write, so each render runs under a deadline and an output budget; a render past 
 gets an exception raised into its thread and the request fails alone. Renders of the server's
 own template with small inputs run in the calling thread (the event loop's, over HTTP), timed
 by one watchdog thread; request-supplied templates and large inputs run on a small pool.
+The sandbox lives in template_sandbox.py, the deadline machinery in render_deadline.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import functools
 import json
 import re
-import threading
-import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 import jinja2
 import jinja2.ext
 import jinja2.nodes
-from jinja2.compiler import CodeGenerator, Frame
-from jinja2.filters import do_format as _format_filter
-from jinja2.runtime import Context, LoopContext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from render_server.render_deadline import RenderInterrupted, RenderJob, Watchdog
+from render_server.template_errors import (
+    ChatTemplateError,
+    ChatTemplateTimeout,
+    ChatTemplateTooLarge,
+    RequestTemplateNotAllowed,
+)
+from render_server.template_sandbox import SandboxEnvironment
 from render_server.tokenizer import Tokenizer
+
+__all__ = [
+    "ChatRenderer",
+    "ChatTemplateError",
+    "ChatTemplateTimeout",
+    "ChatTemplateTooLarge",
+    "RenderedChat",
+    "RequestTemplateNotAllowed",
+]
 
 # A request's chat_template_kwargs may not replace any of these.
 # fmt: off
@@ -53,36 +62,11 @@ _SENTINEL_CLASS = "[\U000f0000-\U000ffffd]"
 _SENTINEL_SPLIT = re.compile(f"({_SENTINEL_CLASS})")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker, so the cut matches
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-_MAX_POWER_BITS = 1 << 16
 # Inputs up to this many characters (strings plus one per value) render in the caller's
 # thread: a few milliseconds at worst (tokenizing new text is most of it), where a hop to
 # the pool and back costs a busy event loop far more per request than a short render
 # (the GIL handoff). Larger ones go to the pool so they never hold up the loop.
 _INLINE_MAX_CHARS = 8192
-# Exact types whose attribute safety depends on the attribute name alone, so the sandbox's
-# answer can be remembered per (type, name).
-_PLAIN_ATTR_TYPES = frozenset({dict, list, tuple, str, int, float, bool, type(None), LoopContext})
-_MAX_REMEMBERED_ATTRS = 4096
-
-
-class ChatTemplateError(ValueError):
-    """The chat template could not render this request; the API answers HTTP 400."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
-
-
-class ChatTemplateTimeout(ChatTemplateError):
-    """Rendering ran past the deadline and was stopped."""
-
-
-class ChatTemplateTooLarge(ChatTemplateError):
-    """The template produced (or tried to build) more text than the budget allows."""
-
-
-class RequestTemplateNotAllowed(ChatTemplateError):
-    """The request carried its own chat_template and the server does not trust those."""
 
 
 @dataclass(frozen=True)
@@ -91,197 +75,6 @@ class RenderedChat:
 
     text: str
     token_ids: list[int]
-
-
-class _RenderInterrupted(BaseException):
-    """Raised into a render thread past its deadline. A BaseException, so that no
-    `except Exception` on the way (jinja's or ours) can swallow it."""
-
-
-def _raise_exception(message: Any) -> None:
-    raise ChatTemplateError(str(message))
-
-
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # transformers' filter: jinja's own tojson escapes HTML characters, which templates don't want.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-class _TemplateDict:
-    """`dict(...)` for templates without exposing the dict type itself (as transformers does)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _Namespace(jinja2.utils.Namespace):
-    """jinja's namespace, refusing underscore names that reach into CPython internals."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:
-        self, args = args[0], args[1:]  # jinja's signature trick, so namespace(self=...) works
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _Namespace._check_name(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _Namespace._check_name(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check_name(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}` marks assistant spans for training masks; rendering keeps the body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller: Callable[[], str]) -> str:
-        return caller()
-
-
-class _BudgetCodeGenerator(CodeGenerator):
-    """Compiles `~` to a size-checked join; jinja has a hook for binary operators, not for `~`."""
-
-    def visit_Concat(self, node: jinja2.nodes.Concat, frame: Frame) -> None:
-        self.write("environment.checked_concat((")
-        for arg in node.nodes:
-            self.visit(arg, frame)
-            self.write(", ")
-        self.write("))")
-
-
-# Widths and precisions in printf-style and str.format specs: '%0999999999d', '{:>999999999}'.
-_PERCENT_SPEC = re.compile(r"%[#0 +\-]*(\d*)\.?(\d*)")
-_BRACE_SPEC = re.compile(r"\{[^{}]*?:([^{}]*)\}")
-
-
-def _format_widths(fmt: str) -> list[int]:
-    digits = [g for groups in _PERCENT_SPEC.findall(fmt) for g in groups if g]
-    digits += [d for spec in _BRACE_SPEC.findall(fmt) for d in re.findall(r"\d+", spec)]
-    return [int(d) if len(d) < 12 else 10**12 for d in digits]
-
-
-# What jinja passes ahead of the filtered value to pass_context/environment/eval_context filters.
-_PASSED_ARGS = (jinja2.Environment, Context, jinja2.nodes.EvalContext)
-
-
-class _SandboxEnvironment(ImmutableSandboxedEnvironment):
-    """The immutable sandbox with transformers' globals, plus size checks wherever one C call
-    could build a huge value, which no deadline can interrupt: `'a' * 10**9`, `7 ** 10**8`,
-    doubling by `~` or `+`, and any call or filter given a count or width past the budget
-    (`'a'.ljust(10**9)`, `x | center(10**9)`, `'%0999999999d' % 1`)."""
-
-    code_generator_class = _BudgetCodeGenerator
-    intercepted_binops = frozenset({"+", "*", "**", "%"})
-
-    def __init__(self, max_value_chars: int) -> None:
-        super().__init__(
-            trim_blocks=True,
-            lstrip_blocks=True,
-            extensions=[jinja2.ext.loopcontrols, _GenerationTag],
-        )
-        self.max_value_chars = max_value_chars
-        self._safe_attrs: dict[tuple[type, str], bool] = {}
-        self.filters["tojson"] = _tojson
-        self.filters = {name: self._bounded_filter(fn) for name, fn in self.filters.items()}
-        self.globals.update(
-            raise_exception=_raise_exception,
-            strftime_now=_strftime_now,
-            dict=_TemplateDict(),
-            namespace=_Namespace,
-        )
-
-    def _check_size(self, size: int) -> None:
-        if size > self.max_value_chars:
-            raise ChatTemplateTooLarge(
-                f"chat template built a value of {size} items (the limit is {self.max_value_chars})"
-            )
-
-    def _check_ints(self, values: Iterable[Any]) -> None:
-        for value in values:
-            if isinstance(value, int):
-                self._check_size(value)
-
-    def _check_format(self, fmt: Any) -> None:
-        if isinstance(fmt, str):
-            self._check_ints(_format_widths(fmt))
-
-    def _bounded_filter(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(fn)  # keeps jinja's pass_context/pass_environment marks
-        def bounded(*args: Any, **kwargs: Any) -> Any:
-            values = [a for a in args if not isinstance(a, _PASSED_ARGS)]
-            if fn is _format_filter and values:
-                self._check_format(values[0])
-            self._check_ints([*values[1:], *kwargs.values()])  # the filtered value may be big
-            return fn(*args, **kwargs)
-
-        return bounded
-
-    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
-        kind = type(obj)
-        if kind not in _PLAIN_ATTR_TYPES:
-            return super().is_safe_attribute(obj, attr, value)
-        key = (kind, attr)
-        safe = self._safe_attrs.get(key)
-        if safe is None:
-            safe = super().is_safe_attribute(obj, attr, value)
-            if len(self._safe_attrs) < _MAX_REMEMBERED_ATTRS:  # names come from templates
-                self._safe_attrs[key] = safe
-        return safe
-
-    def call(__self, __context: Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:
-        __self._check_ints([*args, *kwargs.values()])
-        # The sandbox's str.format wrapper keeps the format string as __wrapped__.__self__.
-        __self._check_format(getattr(getattr(__obj, "__wrapped__", None), "__self__", None))
-        return super().call(__context, __obj, *args, **kwargs)
-
-    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        if operator == "+" and type(left) is str and type(right) is str:  # most of any template
-            if len(left) + len(right) > self.max_value_chars:
-                self._check_size(len(left) + len(right))
-            return left + right
-        sized = (str, list, tuple)
-        if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
-            if abs(left).bit_length() * right > _MAX_POWER_BITS:
-                raise ChatTemplateTooLarge("chat template computed a number too large to hold")
-        elif operator == "*":
-            for seq, count in ((left, right), (right, left)):
-                if isinstance(seq, sized) and isinstance(count, int):
-                    self._check_size(len(seq) * count)
-        elif operator == "+" and isinstance(left, sized) and isinstance(right, sized):
-            self._check_size(len(left) + len(right))
-        elif operator == "%":
-            self._check_format(left)
-        return super().call_binop(context, operator, left, right)
-
-    def checked_concat(self, values: tuple[Any, ...]) -> str:
-        parts = [str(value) for value in values]
-        self._check_size(sum(map(len, parts)))
-        return "".join(parts)
 
 
 def _mentions_content(node: jinja2.nodes.Node, aliases: set[str]) -> bool:
@@ -438,130 +231,6 @@ def _prepare_messages(messages: Any, content_parts: bool) -> list[dict[str, Any]
     return prepared
 
 
-def _async_raise(thread_id: int, exc_type: type[BaseException] | None) -> None:
-    # None (NULL) clears an exception still pending for that thread.
-    exc = ctypes.py_object(exc_type) if exc_type is not None else None
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), exc)
-
-
-class _RenderJob:
-    """One render on the pool; `abort` stops it from another thread once its deadline passed."""
-
-    def __init__(self, fn: Callable[[], RenderedChat]) -> None:
-        self._fn = fn
-        self._lock = threading.Lock()
-        self._thread_id: int | None = None
-        self._finished = False
-        self._aborted = False
-        self.future: Future[RenderedChat] | None = None
-
-    def run(self) -> RenderedChat:
-        with self._lock:
-            if self._aborted:
-                raise ChatTemplateTimeout("chat template render was aborted before it started")
-            self._thread_id = threading.get_ident()
-        try:
-            return self._fn()
-        except _RenderInterrupted:
-            raise ChatTemplateTimeout("chat template render was stopped at its deadline") from None
-        finally:
-            with self._lock:
-                self._finished = True
-                if self._aborted:
-                    # The injected exception may not have fired yet; it must not fire later in
-                    # the pool's own code, which would kill the worker thread.
-                    _async_raise(threading.get_ident(), None)
-
-    def abort(self) -> None:
-        with self._lock:
-            self._aborted = True
-            if self.future is not None:
-                self.future.cancel()  # still queued: it never runs
-            if self._thread_id is not None and not self._finished:
-                _async_raise(self._thread_id, _RenderInterrupted)
-
-
-class _InlineRender:
-    """One render running in its caller's thread, as the watchdog sees it."""
-
-    __slots__ = ("thread_id", "deadline", "finished", "interrupted")
-
-    def __init__(self, thread_id: int, deadline: float) -> None:
-        self.thread_id = thread_id
-        self.deadline = deadline
-        self.finished = False
-        self.interrupted = False
-
-
-class _Watchdog:
-    """One thread that stops inline renders past their deadline, by raising
-    _RenderInterrupted into the rendering thread (the event loop's, over HTTP).
-
-    Every render of one renderer has the same budget, so renders are armed in deadline
-    order and a deque is the whole schedule. Arming costs one lock round trip and wakes
-    nobody: the thread sleeps until the oldest render falls due (dropping the finished
-    ones then), and with nothing armed it still waits one budget before sleeping for good,
-    since whatever is armed meanwhile falls due after that. Only arming into that last,
-    untimed sleep wakes it. The lock makes "interrupt" and "finish" exclusive: an interrupt
-    is only raised into a render that has not finished, and `finish` clears one still
-    pending, so it can never fire in the caller's code after the render returned."""
-
-    def __init__(self, budget_s: float) -> None:
-        self._budget_s = budget_s
-        self._lock = threading.Lock()
-        self._wakeup = threading.Condition(self._lock)
-        self._queue: deque[_InlineRender] = deque()
-        self._thread: threading.Thread | None = None
-        self._asleep = False
-        self._closed = False
-
-    def arm(self) -> _InlineRender:
-        with self._lock:
-            render = _InlineRender(threading.get_ident(), time.monotonic() + self._budget_s)
-            self._queue.append(render)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="chat-render-watchdog", daemon=True
-                )
-                self._thread.start()
-            elif self._asleep:
-                self._wakeup.notify()
-            return render
-
-    def finish(self, render: _InlineRender) -> None:
-        with self._lock:
-            render.finished = True
-            if render.interrupted:
-                _async_raise(render.thread_id, None)  # not fired yet: it must not fire later
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self._wakeup.notify()
-
-    def _run(self) -> None:
-        queue = self._queue
-        idle = False
-        with self._lock:
-            while not self._closed:
-                now = time.monotonic()
-                while queue and (queue[0].finished or queue[0].deadline <= now):
-                    render = queue.popleft()
-                    if not render.finished:
-                        render.interrupted = True
-                        _async_raise(render.thread_id, _RenderInterrupted)
-                if queue:
-                    idle = False
-                    self._wakeup.wait(queue[0].deadline - now)
-                elif not idle:
-                    idle = True
-                    self._wakeup.wait(self._budget_s)
-                else:
-                    self._asleep = True
-                    self._wakeup.wait()
-                    self._asleep = False
-
-
 class ChatRenderer:
     """Renders chat requests for one tokenizer: picks the template (request, `--chat-template`
     override, or the model's own), renders it in the sandbox under the deadline and output
@@ -590,10 +259,10 @@ class ChatRenderer:
         self.max_output_chars = max_output_chars
         self.trust_request_chat_template = trust_request_chat_template
         self.inline_max_chars = inline_max_chars
-        self._env = _SandboxEnvironment(max_output_chars)
+        self._env = SandboxEnvironment(max_output_chars)
         self._compile = functools.lru_cache(maxsize=template_cache_size)(self._compile_uncached)
         self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="chat-render")
-        self._watchdog = _Watchdog(render_deadline_s)
+        self._watchdog = Watchdog(render_deadline_s)
         named = [("bos_token", tokenizer.bos_token), ("eos_token", tokenizer.eos_token)]
         named += [("unk_token", tokenizer.unk_token), ("pad_token", tokenizer.pad_token)]
         self._token_vars = {name: token for name, token in named if token is not None}
@@ -724,8 +393,8 @@ class ChatRenderer:
         )
         return call, inline
 
-    def _submit(self, call: Callable[[], RenderedChat]) -> _RenderJob:
-        job = _RenderJob(call)
+    def _submit(self, call: Callable[[], RenderedChat]) -> RenderJob:
+        job = RenderJob(call)
         job.future = self._executor.submit(job.run)
         return job
 
@@ -739,7 +408,7 @@ class ChatRenderer:
                 return call()
             finally:
                 self._watchdog.finish(render)
-        except _RenderInterrupted:
+        except RenderInterrupted:
             raise self._timeout() from None
 
     def _compile_uncached(self, source: str) -> tuple[jinja2.Template, bool]:

@@ -10,10 +10,11 @@ from typing import TypeVar
 
 import msgspec
 from fastapi import Request
+from fastapi.responses import Response
 
 from render_server.errors import SERVER_ERROR, ApiError
 from render_server.generation import Generation
-from render_server.schemas.errors import ErrorInfo
+from render_server.schemas.errors import ErrorInfo, ErrorResponse
 from render_server.schemas.responses import PromptTokensDetails, Usage
 from render_server.workers import WorkerError
 
@@ -21,6 +22,19 @@ T = TypeVar("T")
 
 SSE_DONE = b"data: [DONE]\n\n"
 _encode_json = msgspec.json.Encoder().encode
+
+
+GENERATION_ERRORS: dict[int | str, dict[str, object]] = {
+    400: {"model": ErrorResponse, "description": "Invalid request"},
+    404: {"model": ErrorResponse, "description": "Unknown model"},
+    503: {"model": ErrorResponse, "description": "No worker available"},
+}
+"""The error answers of the generation endpoints, for the OpenAPI document."""
+
+
+def json_response(body: msgspec.Struct) -> Response:
+    """A response body encoded by msgspec (several times faster than FastAPI's encoder)."""
+    return Response(_encode_json(body), media_type="application/json")
 
 
 class ClientDisconnected(Exception):

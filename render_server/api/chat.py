@@ -16,7 +16,6 @@ from render_server.chat_template import ChatTemplateError, RequestTemplateNotAll
 from render_server.errors import ApiError
 from render_server.generation import ChoiceDelta, Generation
 from render_server.reasoning import get_reasoning_parser
-from render_server.schemas.errors import ErrorResponse
 from render_server.schemas.generation import MAX_CHAT_LOGPROBS, ChatCompletionRequest
 from render_server.schemas.responses import (
     ChatChoice,
@@ -30,6 +29,8 @@ from render_server.schemas.responses import (
     TopLogprob,
 )
 from render_server.serving import (
+    GENERATION_ERRORS,
+    json_response,
     new_request_id,
     sse_event,
     stream_with_errors,
@@ -50,13 +51,6 @@ from render_server.workers import WorkerError
 from shared.protocol import TokenLogprobs
 
 router = APIRouter(tags=["generation"])
-_encode_json = msgspec.json.Encoder().encode
-
-_ERRORS = {
-    400: {"model": ErrorResponse, "description": "Invalid request"},
-    404: {"model": ErrorResponse, "description": "Unknown model"},
-    503: {"model": ErrorResponse, "description": "No worker available"},
-}
 
 
 def _chat_logprobs(
@@ -98,7 +92,7 @@ async def _render(
     return rendered.token_ids
 
 
-@router.post("/v1/chat/completions", responses=_ERRORS)
+@router.post("/v1/chat/completions", responses=GENERATION_ERRORS)
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, state: StateDep
 ) -> Response:
@@ -197,7 +191,7 @@ async def chat_completions(
     finally:
         await generation.abort()
         state.generation_metrics.record(generation)
-    return Response(_encode_json(result), media_type="application/json")
+    return json_response(result)
 
 
 class _Output:

@@ -6,7 +6,6 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
@@ -15,7 +14,6 @@ from starlette.concurrency import run_in_threadpool
 from render_server.api.deps import RenderState, StateDep
 from render_server.errors import ApiError
 from render_server.generation import ChoiceDelta, Generation
-from render_server.schemas.errors import ErrorResponse
 from render_server.schemas.generation import MAX_COMPLETION_LOGPROBS, CompletionRequest
 from render_server.schemas.responses import (
     CompletionChoice,
@@ -24,6 +22,8 @@ from render_server.schemas.responses import (
     Usage,
 )
 from render_server.serving import (
+    GENERATION_ERRORS,
+    json_response,
     new_request_id,
     sse_event,
     stream_with_errors,
@@ -43,14 +43,7 @@ from render_server.workers import WorkerError
 from shared.protocol import TokenLogprobs
 
 router = APIRouter(tags=["generation"])
-_encode_json = msgspec.json.Encoder().encode
 MAX_PROMPTS = 64
-
-_ERRORS = {
-    400: {"model": ErrorResponse, "description": "Invalid request"},
-    404: {"model": ErrorResponse, "description": "Unknown model"},
-    503: {"model": ErrorResponse, "description": "No worker available"},
-}
 
 
 async def _prompts(state: RenderState, body: CompletionRequest) -> list[list[int]]:
@@ -121,7 +114,7 @@ def _logprobs(
     return CompletionLogprobs(tokens, token_logprobs, top_logprobs, text_offset)
 
 
-@router.post("/v1/completions", responses=_ERRORS)
+@router.post("/v1/completions", responses=GENERATION_ERRORS)
 async def completions(body: CompletionRequest, request: Request, state: StateDep) -> Response:
     """OpenAI's text completions, streamed (SSE) or not; several prompts allowed."""
     reject_unsupported(body)
@@ -188,7 +181,7 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
         await _abort_all(generations)
         for generation in generations:
             state.generation_metrics.record(generation)
-    return Response(_encode_json(result), media_type="application/json")
+    return json_response(result)
 
 
 async def _abort_all(generations: list[Generation]) -> None:

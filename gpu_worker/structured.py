@@ -35,6 +35,7 @@ import llguidance
 import numpy as np
 import torch
 
+from shared.byte_level import unicode_to_bytes
 from shared.constraints import ConstraintError, new_matcher
 from shared.model_source import ModelSource
 from shared.protocol import Constraint
@@ -271,7 +272,7 @@ def _lltokenizer_from_gguf(
         raise ConstraintError(f"structured outputs need a byte-level BPE vocabulary, not {kind!r}")
     tokens: list[str] = fields["tokenizer.ggml.tokens"]
     token_types: list[int] = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    byte_of = {char: byte for byte, char in _bytes_to_unicode().items()}
+    byte_of = unicode_to_bytes()
     token_bytes: list[bytes] = []
     special: list[int] = []
     for token_id, (token, kind_) in enumerate(zip(tokens, token_types, strict=False)):
@@ -384,16 +385,3 @@ class _GreedyVocab:
             else:
                 start += 1  # a byte no token spells (impossible for byte-level BPE)
         return ids
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table, the alphabet of byte-level vocabularies."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    table = {byte: chr(byte) for byte in printable}
-    extra = 0
-    for byte in range(256):
-        if byte not in table:
-            table[byte] = chr(256 + extra)
-            extra += 1
-    return table

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from render_server.tokenizer import Tokenizer, _bytes_to_unicode
+from render_server.tokenizer import Tokenizer
+from shared.byte_level import unicode_to_bytes
 
-_BYTE_OF_CHAR = {char: byte for byte, char in _bytes_to_unicode().items()}
+_BYTE_OF_CHAR = unicode_to_bytes()
 
 
 class TokenText:

@@ -23,6 +23,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from shared.byte_level import bytes_to_unicode
 from shared.model_source import ModelSource
 from shared.tokenizer_digest import digest_gguf_metadata, digest_tokenizer_json
 
@@ -269,19 +270,6 @@ def _is_piecewise_pre_tokenizer(hf: HFTokenizer) -> bool:
         return False
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table, the alphabet of byte-level vocabularies."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    table = {byte: chr(byte) for byte in printable}
-    extra = 0
-    for byte in range(256):
-        if byte not in table:
-            table[byte] = chr(256 + extra)
-            extra += 1
-    return table
-
-
 def _set_post_processor(hf: HFTokenizer, bos: str | None, eos: str | None) -> None:
     """BOS/EOS around each sequence, built the way transformers' update_post_processor does."""
     single = f"{bos + ':0 ' if bos else ''}$A:0{' ' + eos + ':0' if eos else ''}"
@@ -321,7 +309,7 @@ def _from_gguf(path: Path) -> Tokenizer:
         )
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    spelling = _bytes_to_unicode()
+    spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
 
     # Tokens outside the byte alphabet (some converters store raw text) are respelled byte-wise.

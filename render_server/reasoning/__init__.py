@@ -13,28 +13,20 @@ from __future__ import annotations
 from render_server.reasoning.base import ReasoningDelta, ReasoningParser
 from render_server.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
 from render_server.reasoning.qwen3 import Qwen3ReasoningParser
+from render_server.registry import UnknownNameError, lookup
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     parser.name: parser for parser in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)
 }
 
 
-class UnknownReasoningParserError(KeyError):
+class UnknownReasoningParserError(UnknownNameError):
     """No reasoning parser has this name; the message lists those that exist."""
-
-    def __str__(self) -> str:  # KeyError would print the message quoted, as a repr
-        return str(self.args[0])
 
 
 def get_reasoning_parser(name: str) -> type[ReasoningParser]:
     """The parser class registered as ``name``; instantiate it once per choice."""
-    try:
-        return REASONING_PARSERS[name]
-    except KeyError:
-        known = ", ".join(sorted(REASONING_PARSERS))
-        raise UnknownReasoningParserError(
-            f"unknown reasoning parser {name!r}; known parsers: {known}"
-        ) from None
+    return lookup(REASONING_PARSERS, name, "reasoning parser", UnknownReasoningParserError)
 
 
 __all__ = [

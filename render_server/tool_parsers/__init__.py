@@ -10,6 +10,7 @@ or, for a whole output, ``parser.extract(text)`` -> `ExtractedToolCalls`.
 
 from __future__ import annotations
 
+from render_server.registry import UnknownNameError, lookup
 from render_server.tool_parsers.base import (
     DeltaMessage,
     ExtractedToolCalls,
@@ -34,22 +35,13 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 }
 
 
-class UnknownToolParserError(KeyError):
+class UnknownToolParserError(UnknownNameError):
     """No tool parser has this name; the message lists those that exist."""
-
-    def __str__(self) -> str:  # KeyError would print the message quoted, as a repr
-        return str(self.args[0])
 
 
 def get_tool_parser(name: str) -> type[ToolParser]:
     """The parser class registered as ``name``; instantiate it once per choice with the tools."""
-    try:
-        return TOOL_PARSERS[name]
-    except KeyError:
-        known = ", ".join(sorted(TOOL_PARSERS))
-        raise UnknownToolParserError(
-            f"unknown tool parser {name!r}; known parsers: {known}"
-        ) from None
+    return lookup(TOOL_PARSERS, name, "tool parser", UnknownToolParserError)
 
 
 __all__ = [

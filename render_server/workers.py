@@ -8,6 +8,7 @@ deque plus a future to wake the one consumer). A single monitor task sends
 marks a worker dead when its messages stop for `heartbeat_timeout_s`.
 
 Routing policy lives in `render_server.routing`; this module only gathers its inputs.
+Streams are in `render_server.request_stream`, sockets in `render_server.worker_link`.
 The set of workers may change while serving (`set_addresses`, fed by
 `render_server.discovery`): a removed worker is drained, not cut off.
 """
@@ -19,37 +20,30 @@ import contextlib
 import logging
 import time
 import uuid
-from collections import deque
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Literal
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
+from render_server.request_stream import RequestStream, WorkerError, WorkerErrorCode
 from render_server.routing import (
     PrefixAffinity,
     RoutingMode,
-    WorkerLoad,
     affinity_hashes,
     choose_worker,
     continuation,
     round_robin,
 )
+from render_server.worker_link import WorkerLink
 from shared.model_card import ModelCard
 from shared.protocol import (
-    MAX_BATCH,
-    Abort,
     ClientHeartbeat,
     Deltas,
     Encoder,
-    FinishReason,
     Generate,
     Heartbeat,
     Hello,
     ProtocolError,
     Rejected,
-    RequestDelta,
     Welcome,
     WorkerMessageDecoder,
     WorkerStats,
@@ -58,30 +52,7 @@ from shared.transport import CurveKeys, make_dealer
 
 logger = logging.getLogger(__name__)
 
-WorkerErrorCode = Literal["rejected", "worker_lost", "no_workers", "timeout"]
-
-# Frames handled per wake-up of one socket before yielding to the loop, so a flood from
-# one worker cannot starve HTTP writes.
-_MAX_FRAMES_PER_WAKEUP = 256
-# How long closing waits for queued Aborts to reach the workers.
-_CLOSE_LINGER_MS = 500
-
-
-class WorkerError(Exception):
-    """A request or the pool could not be served by a worker.
-
-    `code` is "rejected" (the worker refused the request; `reject_code` says why),
-    "worker_lost" (its worker stopped answering), "no_workers" (none is usable) or
-    "timeout".
-    """
-
-    def __init__(
-        self, code: WorkerErrorCode, message: str, *, reject_code: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.reject_code = reject_code
+__all__ = ["RequestStream", "WorkerError", "WorkerPool", "WorkerStatus"]
 
 
 @dataclass
@@ -104,270 +75,6 @@ class WorkerStatus:
     """Its card does not match our tokenizer (or model id); it is never routed to."""
     draining: bool = False
     """Removed from the pool's addresses: no new requests; closed once its streams end."""
-
-
-def _merge(into: RequestDelta, new: RequestDelta) -> None:
-    """Fold a later delta of the same request into one the consumer has not taken yet."""
-    into.new_token_ids.extend(new.new_token_ids)
-    if new.logprobs is not None:
-        if into.logprobs is None:
-            into.logprobs = new.logprobs
-        else:
-            into.logprobs.extend(new.logprobs)
-    if new.finish_reason is not None:
-        into.finish_reason = new.finish_reason
-        into.stop_token_id = new.stop_token_id
-    if new.num_prompt_tokens:
-        into.num_prompt_tokens = new.num_prompt_tokens
-    if new.num_cached_tokens:
-        into.num_cached_tokens = new.num_cached_tokens
-    if new.error is not None:
-        into.error = new.error
-    if into.queue_time is None:
-        into.queue_time = new.queue_time  # only a request's first delta carries it
-
-
-class RequestStream:
-    """The deltas of one request, in order, for a single consumer.
-
-    Iterate it (`async for delta in stream`); deltas that queued up while the consumer
-    was busy come merged into one. Iteration ends after the delta carrying
-    `finish_reason` and raises `WorkerError` if the worker rejected the request or was
-    lost. Leaving the iteration early, being cancelled, `abort()` or leaving
-    `async with stream:` sends Abort if the request is still running.
-
-    `request` and `output_token_ids` (everything received so far, consumed or not) are
-    what a resend elsewhere needs: see `render_server.routing.continuation`.
-    """
-
-    def __init__(self, request: Generate, link: _WorkerLink) -> None:
-        self.request_id = request.request_id
-        self.worker_address = link.address
-        self.request = request
-        self.output_token_ids: list[int] = []
-        self.num_queue_full = 0
-        """Workers that refused it with a full queue (each is tried at most once)."""
-        self.finish_reason: FinishReason | None = None
-        self._link = link
-        self._pending: deque[RequestDelta] = deque()
-        self._error: WorkerError | None = None
-        self._ended = False  # nothing more will be pushed: finished, failed or aborted
-        self._waiter: asyncio.Future[None] | None = None
-
-    @property
-    def is_finished(self) -> bool:
-        """The worker is done with it (finished, rejected, lost or aborted)."""
-        return self._ended
-
-    async def __aiter__(self) -> AsyncIterator[RequestDelta]:
-        try:
-            while True:
-                if self._pending:
-                    delta = self._take()
-                    yield delta
-                    if delta.finish_reason is not None:
-                        return
-                elif self._error is not None:
-                    raise self._error
-                elif self._ended:
-                    return
-                else:
-                    self._waiter = asyncio.get_running_loop().create_future()
-                    try:
-                        await self._waiter
-                    finally:
-                        self._waiter = None
-        finally:
-            # A cancelled consumer lands here at once; an early `break` or an exception in
-            # the consumer's loop body when the abandoned generator is closed or collected.
-            self._cancel()
-
-    async def abort(self) -> None:
-        """Stop the request on the worker; iteration then ends with finish_reason "abort"."""
-        self._cancel()
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self._cancel()
-
-    # ---- called by the pool -----------------------------------------------------------
-
-    def _push(self, delta: RequestDelta) -> None:
-        self._pending.append(delta)
-        self.output_token_ids.extend(delta.new_token_ids)
-        if delta.finish_reason is not None:
-            self.finish_reason = delta.finish_reason
-            self._ended = True
-        self._wake()
-
-    def _fail(self, error: WorkerError) -> None:
-        if self._ended:
-            return
-        self._ended = True
-        self._error = error
-        self._wake()
-
-    def _cancel(self) -> None:
-        if self._ended:
-            return
-        self._ended = True
-        self.finish_reason = "abort"
-        self._link.abort(self.request_id)
-        self._pending.append(
-            RequestDelta(request_id=self.request_id, new_token_ids=[], finish_reason="abort")
-        )
-        self._wake()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _take(self) -> RequestDelta:
-        pending = self._pending
-        delta = pending.popleft()
-        while pending:
-            _merge(delta, pending.popleft())
-        return delta
-
-
-class _WorkerLink:
-    """One DEALER to one worker, and what the pool has learned about that worker."""
-
-    def __init__(
-        self, pool: WorkerPool, address: str, socket: zmq.Socket, loop: asyncio.AbstractEventLoop
-    ) -> None:
-        self.address = address
-        self.socket = socket
-        self.worker_id: str | None = None
-        self.model_card: ModelCard | None = None
-        self.welcomed = False
-        self.refused = False
-        self.alive = False
-        self.last_seen = 0.0  # monotonic time of its last frame of any kind
-        self.last_heartbeat = 0.0
-        self.hello_sent_at = 0.0  # monotonic
-        self.stats: WorkerStats | None = None
-        self.streams: dict[str, RequestStream] = {}
-        self.closed = False
-        self.draining = False  # no longer in the pool's addresses: finish, take nothing new
-        self._pool = pool
-        self._loop = loop
-        # Frames the full pipe refused, in order; retried every heartbeat round (the pipe
-        # only fills when the worker stops reading, i.e. it is about to be marked dead).
-        self._backlog: deque[bytes] = deque()
-        self._aborts: list[str] = []
-        self._drain_scheduled = False
-        self._fd = socket.getsockopt(zmq.FD)
-        loop.add_reader(self._fd, self._drain)
-        # A dropped connection (the worker process died) is known at once from the socket's
-        # monitor; heartbeats still catch a worker that hangs with its socket open.
-        self._monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._monitor_fd = self._monitor.getsockopt(zmq.FD)
-        loop.add_reader(self._monitor_fd, self._on_monitor)
-
-    @property
-    def is_routable(self) -> bool:
-        """New requests (and failed-over ones) may go here."""
-        return self.welcomed and self.alive and not self.draining
-
-    def load(self) -> WorkerLoad:
-        stats = self.stats
-        if stats is None:
-            return WorkerLoad(self.address, len(self.streams))
-        return WorkerLoad(self.address, len(self.streams), stats.num_running, stats.num_waiting)
-
-    def send(self, message: object) -> None:
-        self.send_frame(self._pool._encoder.encode(message))
-
-    def send_frame(self, frame: bytes) -> None:
-        if self.closed:
-            return
-        if self._backlog:
-            self._backlog.append(frame)  # keep the order: an Abort never overtakes its Generate
-        else:
-            try:
-                self.socket.send(frame, zmq.NOBLOCK)
-            except zmq.Again:
-                self._backlog.append(frame)
-        self._poke()
-
-    def flush_backlog(self) -> None:
-        while self._backlog and not self.closed:
-            try:
-                self.socket.send(self._backlog[0], zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._backlog.popleft()
-        self._poke()
-
-    def abort(self, request_id: str) -> None:
-        """Forget the request and queue an Abort; all aborts of one loop turn go together."""
-        self.streams.pop(request_id, None)
-        if self.closed:
-            return
-        self._aborts.append(request_id)
-        if len(self._aborts) == 1:
-            self._loop.call_soon(self.flush_aborts)
-
-    def flush_aborts(self) -> None:
-        while self._aborts:
-            batch, self._aborts = self._aborts[:MAX_BATCH], self._aborts[MAX_BATCH:]
-            self.send(Abort(request_ids=batch))
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.flush_aborts()
-        self.closed = True
-        self._loop.remove_reader(self._fd)
-        self._loop.remove_reader(self._monitor_fd)
-        self.socket.disable_monitor()
-        self._monitor.close(linger=0)
-        self.socket.close(linger=_CLOSE_LINGER_MS)
-
-    def _on_monitor(self) -> None:
-        disconnected = False
-        while True:
-            try:
-                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            disconnected |= event["event"] == zmq.EVENT_DISCONNECTED
-        if disconnected and self.alive and not self.closed:
-            self._pool._lose(self, reason="its connection closed")
-
-    def _poke(self) -> None:
-        # ZMQ's FD only signals "look at EVENTS", and any send may consume that signal
-        # for a frame that arrived meanwhile; check ourselves so it is never stranded.
-        if (
-            not self._drain_scheduled
-            and not self.closed
-            and self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN
-        ):
-            self._drain_scheduled = True
-            self._loop.call_soon(self._drain)
-
-    def _drain(self) -> None:
-        self._drain_scheduled = False
-        if self.closed:
-            return
-        socket = self.socket
-        on_frames = self._pool._on_frames
-        for _ in range(_MAX_FRAMES_PER_WAKEUP):
-            try:
-                frames = socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                on_frames(self, frames)
-            except Exception:  # a bug here must not strand the frames behind it
-                logger.exception("failed to handle a message from worker %s", self.address)
-        # Frames are left and the FD will not signal them again: continue next turn.
-        self._drain_scheduled = True
-        self._loop.call_soon(self._drain)
 
 
 class WorkerPool:
@@ -414,7 +121,7 @@ class WorkerPool:
         self._encoder = Encoder()
         self._decoder = WorkerMessageDecoder()
         self._hello = self._encoder.encode(Hello(client_id=client_id))
-        self._links: list[_WorkerLink] = []
+        self._links: list[WorkerLink] = []
         self._affinity = PrefixAffinity()
         self._rotation = 0
         self._model_card: ModelCard | None = None
@@ -492,7 +199,7 @@ class WorkerPool:
             streams = list(link.streams.values())
             for stream in streams:
                 link.abort(stream.request_id)
-                stream._fail(WorkerError("worker_lost", "the worker pool was closed"))
+                stream.fail(WorkerError("worker_lost", "the worker pool was closed"))
             link.close()
         self._links.clear()
         if self._context is not None:
@@ -554,7 +261,7 @@ class WorkerPool:
 
     # ---- incoming ---------------------------------------------------------------------
 
-    def _on_frames(self, link: _WorkerLink, frames: list[bytes]) -> None:
+    def _on_frames(self, link: WorkerLink, frames: list[bytes]) -> None:
         if len(frames) != 1:
             self.bad_frames += 1
             logger.warning("dropped a %d-part message from worker %s", len(frames), link.address)
@@ -576,7 +283,7 @@ class WorkerPool:
                     continue
                 if delta.finish_reason is not None:
                     del streams[delta.request_id]
-                stream._push(delta)
+                stream.push(delta)
         elif kind is Heartbeat:
             link.stats = message.stats
             link.last_heartbeat = time.time()
@@ -592,7 +299,7 @@ class WorkerPool:
                 and self._move(stream, exclude=link)
             ):
                 error = f"worker {link.address} rejected the request: {message.message}"
-                stream._fail(WorkerError("rejected", error, reject_code=message.code))
+                stream.fail(WorkerError("rejected", error, reject_code=message.code))
             if message.code == "protocol":
                 self._say_hello(link)  # it restarted and forgot us: introduce again
         elif kind is Welcome:
@@ -601,7 +308,7 @@ class WorkerPool:
             link.alive = True
             logger.warning("worker %s is back", link.address)
 
-    def _on_welcome(self, link: _WorkerLink, welcome: Welcome) -> None:
+    def _on_welcome(self, link: WorkerLink, welcome: Welcome) -> None:
         card = welcome.model_card
         problem = None
         if card.tokenizer_digest != self.tokenizer_digest:
@@ -663,10 +370,17 @@ class WorkerPool:
                 # Not every beat, since ZMQ queues them all for a worker that is down.
                 self._say_hello(link)
 
-    def _connect(self, address: str) -> _WorkerLink:
+    def _connect(self, address: str) -> WorkerLink:
         assert self._context is not None and self._loop is not None
         socket = make_dealer(self._context, address, identity=self._identity, curve=self._curve)
-        link = _WorkerLink(self, address, socket, self._loop)
+        link = WorkerLink(
+            address,
+            socket,
+            self._loop,
+            encode=self._encoder.encode,
+            on_frames=self._on_frames,
+            on_disconnect=lambda lost: self._lose(lost, reason="its connection closed"),
+        )
         self._links.append(link)
         self._say_hello(link)
         return link
@@ -679,11 +393,11 @@ class WorkerPool:
             link.close()
             self._links.remove(link)
 
-    def _say_hello(self, link: _WorkerLink) -> None:
+    def _say_hello(self, link: WorkerLink) -> None:
         link.hello_sent_at = time.monotonic()
         link.send_frame(self._hello)
 
-    def _lose(self, link: _WorkerLink, reason: str | None = None) -> None:
+    def _lose(self, link: WorkerLink, reason: str | None = None) -> None:
         link.alive = False
         silent = time.monotonic() - link.last_seen
         streams = list(link.streams.values())
@@ -694,9 +408,7 @@ class WorkerPool:
             if self._move(stream, exclude=link):
                 moved += 1
             else:
-                stream._fail(
-                    WorkerError("worker_lost", f"worker {link.address} stopped responding")
-                )
+                stream.fail(WorkerError("worker_lost", f"worker {link.address} stopped responding"))
         logger.warning(
             "worker %s %s: marked dead; %d of %d requests moved to other workers",
             link.address,
@@ -705,7 +417,7 @@ class WorkerPool:
             len(streams),
         )
 
-    def _move(self, stream: RequestStream, exclude: _WorkerLink) -> bool:
+    def _move(self, stream: RequestStream, exclude: WorkerLink) -> bool:
         """Resume a stream on another live worker: the tokens it already streamed join
         the prompt, so the client's stream goes on with nothing lost or repeated."""
         links = [link for link in self._links if link is not exclude and link.is_routable]
@@ -719,8 +431,8 @@ class WorkerPool:
         self.failovers += 1
         return True
 
-    def _fail_all(self, link: _WorkerLink, code: WorkerErrorCode, message: str) -> None:
+    def _fail_all(self, link: WorkerLink, code: WorkerErrorCode, message: str) -> None:
         for stream in list(link.streams.values()):
             # Aborted now so a worker that resumes frees their KV blocks at once.
             link.abort(stream.request_id)
-            stream._fail(WorkerError(code, message))
+            stream.fail(WorkerError(code, message))

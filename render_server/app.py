@@ -62,7 +62,7 @@ def build_state(settings: RenderSettings) -> RenderState:
     if settings.served_model_name:
         source = replace(source, name=settings.served_model_name)
     started = time.perf_counter()
-    tokenizer = Tokenizer.from_source(source)
+    tokenizer = Tokenizer.from_source(source, piece_cache_bytes=settings.tokenizer_cache_mb << 20)
     template = read_chat_template(settings.chat_template) if settings.chat_template else None
     renderer = ChatRenderer(
         tokenizer,

@@ -78,6 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help=f"time budget of one chat-template render (default: {_default('render_deadline_s')})",
     )
+    model.add_argument(
+        "--tokenizer-cache-mb",
+        type=int,
+        metavar="MB",
+        help="cache of token ids of text seen before, e.g. system prompts; 0 turns it off, "
+        "so that request timing cannot tell whether another client sent the same text "
+        f"(default: {_default('tokenizer_cache_mb')})",
+    )
 
     workers = parser.add_argument_group(
         "workers (default: start a local gpu-worker and serve through it)"

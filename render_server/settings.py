@@ -61,6 +61,10 @@ class RenderSettings(BaseSettings):
     """Wall-clock budget for one chat-template render; past it the request gets a 400."""
     render_max_output_chars: int = Field(default=4_000_000, gt=0)
     """Longest text one chat-template render may produce."""
+    tokenizer_cache_mb: int = Field(default=32, ge=0)
+    """Cache of the token ids of text pieces seen before (system prompts, earlier turns);
+    0 turns it off, for deployments where a client timing its requests must not learn
+    whether another client sent the same text."""
 
     # -- HTTP ----------------------------------------------------------------------------
     host: str = "127.0.0.1"

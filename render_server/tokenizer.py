@@ -115,11 +115,14 @@ class Tokenizer:
         self._pieces = _PieceCache.for_tokenizer(hf, piece_cache_bytes)
 
     @classmethod
-    def from_source(cls, source: ModelSource) -> Tokenizer:
-        """Load the tokenizer of a resolved `--model` (a GGUF file or an HF directory)."""
+    def from_source(cls, source: ModelSource, *, piece_cache_bytes: int = 32 << 20) -> Tokenizer:
+        """Load the tokenizer of a resolved `--model` (a GGUF file or an HF directory).
+
+        `piece_cache_bytes` bounds the cache of token ids of text pieces seen before; 0 turns
+        it off (a cached piece tokenizes faster, which a client could time)."""
         if source.kind == "gguf":
-            return _from_gguf(Path(source.path))
-        return _from_hf_dir(Path(source.path))
+            return _from_gguf(Path(source.path), piece_cache_bytes)
+        return _from_hf_dir(Path(source.path), piece_cache_bytes)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
@@ -298,7 +301,7 @@ def _gguf_metadata(path: Path) -> dict[str, Any]:
     return {name: field.contents() for name, field in reader.fields.items()}
 
 
-def _from_gguf(path: Path) -> Tokenizer:
+def _from_gguf(path: Path, piece_cache_bytes: int) -> Tokenizer:
     meta = _gguf_metadata(path)
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
@@ -381,6 +384,7 @@ def _from_gguf(path: Path) -> Tokenizer:
         unk_token=unk,
         pad_token=pad,
         digest=digest_gguf_metadata(meta),
+        piece_cache_bytes=piece_cache_bytes,
     )
 
 
@@ -419,7 +423,7 @@ def _hf_chat_template(path: Path, config: dict[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def _from_hf_dir(path: Path) -> Tokenizer:
+def _from_hf_dir(path: Path, piece_cache_bytes: int) -> Tokenizer:
     tokenizer_file = path / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise TokenizerLoadError(
@@ -457,4 +461,5 @@ def _from_hf_dir(path: Path) -> Tokenizer:
         unk_token=unk,
         pad_token=pad,
         digest=digest_tokenizer_json(tokenizer_file.read_bytes()),
+        piece_cache_bytes=piece_cache_bytes,
     )

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from render_server.tokenizer import Tokenizer, TokenizerLoadError
-from shared.model_source import ModelSource
+from shared.model_source import ModelSource, resolve_model
 from shared.tokenizer_digest import tokenizer_digest
 from tests.conftest import DATA_DIR
 
@@ -202,3 +202,18 @@ def test_unsupported_gguf_tokenizer(tmp_path: Path) -> None:
     _write_tiny_gguf(path, "llama", "default")
     with pytest.raises(TokenizerLoadError, match="'llama' is not supported"):
         Tokenizer.from_source(ModelSource("spm", "gguf", path))
+
+
+def test_piece_cache_can_be_turned_off(smollm2_tokenizer: Tokenizer) -> None:
+    """`--tokenizer-cache-mb 0`: no cache of text pieces (no timing signal), same ids."""
+    from render_server.cli import parse_settings
+
+    settings = parse_settings(["--tokenizer-cache-mb", "0"])
+    assert settings.tokenizer_cache_mb == 0
+    assert parse_settings([]).tokenizer_cache_mb == 32
+    source = resolve_model(settings.model)
+    uncached = Tokenizer.from_source(source, piece_cache_bytes=settings.tokenizer_cache_mb << 20)
+    assert uncached._pieces is None and smollm2_tokenizer._pieces is not None
+    text = "A system prompt that comes back.<|im_end|>\nAnd a question?"
+    for _ in range(2):  # the second time the cached tokenizer answers from its cache
+        assert uncached.encode_text(text) == smollm2_tokenizer.encode_text(text)

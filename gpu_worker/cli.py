@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="largest decode batch captured in a CUDA graph (default min(max-num-seqs, 512))",
     )
+    add(
+        "--no-cpu-gguf-kernels",
+        action="store_true",
+        help="on CPU in fp32, multiply on dense fp32 weights only, never on a GGUF file's "
+        "quantized blocks (same values, more bytes per step)",
+    )
     add("--no-prefix-caching", action="store_true", help="disable prefix caching")
     add("--max-waiting", type=int, default=4096, help="queued requests before queue_full")
     add(
@@ -98,6 +104,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
+        cpu_gguf_kernels=not args.no_cpu_gguf_kernels,
         enable_prefix_caching=not args.no_prefix_caching,
         max_waiting=args.max_waiting,
     )

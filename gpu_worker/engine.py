@@ -74,7 +74,11 @@ class Engine:
             backend_name = "triton" if self.device.type == "cuda" else "torch"
         started = time.perf_counter()
         self.model, self.model_config = load_model(
-            source, self.device, self.dtype, get_attention_backend(backend_name)
+            source,
+            self.device,
+            self.dtype,
+            get_attention_backend(backend_name),
+            gguf_kernels=config.cpu_gguf_kernels,
         )
         mc = self.model_config
         logger.info("loaded %s in %.1fs", source.name, time.perf_counter() - started)

@@ -25,6 +25,11 @@ from safetensors import safe_open
 from torch import nn
 
 from gpu_worker.attention import AttentionBackend, TorchAttentionBackend
+from gpu_worker.gguf_linear import (
+    QuantizedWeight,
+    gguf_quantized_weights,
+    quantized_kernels_available,
+)
 from gpu_worker.models import get_model_class
 from shared.model_source import ModelSource
 
@@ -234,6 +239,29 @@ def _dequantize(tensor: ReaderTensor, name: str, config: ModelConfig) -> torch.T
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
 
 
+def _qk_row_order(name: str, rows: int, config: ModelConfig) -> np.ndarray | None:
+    """`unpermute_qk` as row indices (for weights kept in their GGUF blocks); None for
+    tensors it leaves alone."""
+    if config.architecture != "llama":
+        return None
+    if ".q_proj." in name:
+        return unpermute_qk(np.arange(rows), config.num_heads)
+    if ".k_proj." in name:
+        return unpermute_qk(np.arange(rows), config.num_kv_heads)
+    return None
+
+
+def gguf_block_weights(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, QuantizedWeight]:
+    """HF name -> `QuantizedWeight` for each Q4_0/Q4_1/Q8_0 matrix, Q/K rows in HF order."""
+    named = [(n, t) for t in reader.tensors if (n := gguf_to_hf_name(t.name)) is not None]
+    orders = {}
+    for name, tensor in named:
+        order = _qk_row_order(name, int(tensor.shape[-1]), config)
+        if order is not None:
+            orders[name] = order
+    return gguf_quantized_weights(named, orders)
+
+
 def iter_gguf_weights(
     reader: gguf.GGUFReader, config: ModelConfig, num_threads: int | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -268,9 +296,12 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype | None = None,
     attn_backend: AttentionBackend | None = None,
+    *,
+    gguf_kernels: bool = True,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model on `device` in `dtype` (default bf16 on CUDA, fp32 elsewhere) and fill
-    it with the source's weights. Attention defaults to the torch backend."""
+    it with the source's weights. Attention defaults to the torch backend. `gguf_kernels`
+    lets an fp32 CPU model read a GGUF file's quantized blocks in decode-sized matmuls."""
     device = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -288,5 +319,8 @@ def load_model(
     model = model.to(dtype).to_empty(device=device)
     model.load_weights(weights)
     model.build_caches(device)
+    if source.kind == "gguf" and gguf_kernels and quantized_kernels_available(device, dtype):
+        # fp32 on CPU: decode reads the file's 4-8 bit blocks instead (gpu_worker.gguf_linear).
+        model.attach_quantized(gguf_block_weights(reader, config))
     model.eval().requires_grad_(False)
     return model, config

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.attention import AttentionBackend, AttentionMetadata
+from gpu_worker.gguf_linear import QuantizedWeight
 
 if TYPE_CHECKING:  # the loader imports this module, so only the type crosses back
     from gpu_worker.loader import ModelConfig
@@ -49,12 +50,16 @@ class Linear(nn.Linear):
     every call, which costs about as much as the matmul at decode sizes. Packing once at
     load gives the same results bit for bit, 1.4-1.7x faster from 1 to 2048 rows on an
     AMX Xeon, for a second copy of the weights. fp32 stays on MKL's sgemm: packing there
-    was slower for single tokens and large prefills.
+    was slower for single tokens and large prefills. fp32 decode-sized batches run on the
+    GGUF blocks in `quantized` where the loader kept them.
     """
 
     packed_weight: torch.Tensor | None = None
+    quantized: QuantizedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None and self.quantized.accepts(x):
+            return self.quantized.linear(x, self.bias)
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
@@ -251,16 +256,40 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._packed_head: torch.Tensor | None = None
+        self._quantized_head: QuantizedWeight | None = None
 
     def build_caches(self, device: torch.device) -> None:
         """Compute the derived state once the weights sit on `device`: rotary tables and,
         where it pays (`prepack`), packed copies of the projection and LM head weights.
-        Call it again after changing any weight."""
+        Call it again after changing any weight; that also drops the quantized copies,
+        which cannot follow the change."""
         self.rotary.build(device)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.packed_weight = prepack(module.weight.detach())
+                module.quantized = None
         self._packed_head = prepack(self._head_weight().detach())
+        self._quantized_head = None
+
+    def attach_quantized(self, weights: Mapping[str, QuantizedWeight]) -> None:
+        """Give the projections and the LM head the GGUF blocks of their weights (HF names,
+        rows as in the dense weights), fused in `_shard_range` order; a layer with any part
+        missing or of another type stays dense."""
+        for name, module in self.named_modules():
+            if not isinstance(module, Linear):
+                continue
+            prefix, _, fused = name.rpartition(".")
+            shards = sorted((s, part) for part, (f, s) in _STACKED.items() if f == fused)
+            parts = [weights.get(f"{prefix}.{part}.weight") for _, part in shards or [(0, fused)]]
+            if any(p is None for p in parts):
+                continue
+            quantized = QuantizedWeight.cat(parts)  # type: ignore[arg-type]
+            if quantized is not None and (quantized.n, quantized.k) == module.weight.shape:
+                module.quantized = quantized
+        tied = self.lm_head is None
+        head = weights.get("model.embed_tokens.weight" if tied else "lm_head.weight")
+        if head is not None and (head.n, head.k) == self._head_weight().shape:
+            self._quantized_head = head
 
     def _head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -281,6 +310,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states at the sampled positions [n, hidden] -> fp32 logits [n, vocab]."""
+        if self._quantized_head is not None and self._quantized_head.accepts(hidden):
+            return self._quantized_head.linear(hidden)
         if self._packed_head is not None:
             logits = torch.ops.mkldnn._linear_pointwise(
                 hidden, self._packed_head, None, "none", [], ""

@@ -27,6 +27,7 @@ def test_every_engine_flag_is_carried() -> None:
             "--enforce-eager",
             "--cuda-graph-max-batch-size", "48",
             "--no-prefix-caching",
+            "--no-cpu-gguf-kernels",
             "--max-waiting", "10",
         ]
     )  # fmt: skip
@@ -37,3 +38,4 @@ def test_every_engine_flag_is_carried() -> None:
     assert config.gpu_memory_utilization == 0.8 and config.attention_backend == "triton"
     assert config.enforce_eager is True and config.cuda_graph_max_batch_size == 48
     assert config.enable_prefix_caching is False and config.max_waiting == 10
+    assert config.cpu_gguf_kernels is False

@@ -1,0 +1,219 @@
+"""The GGUF CPU kernel: bit-exact dequantization, GEMM against a float64 reference, the
+model's dispatch to it, and the dense fallback."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from types import ModuleType
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_worker import gguf_linear
+from gpu_worker.gguf_linear import (
+    ENV_SWITCH,
+    MAX_QUANTIZED_ROWS,
+    QuantizedWeight,
+    load_extension,
+    quantized_kernels_available,
+)
+from gpu_worker.models.llama import Linear
+
+QTYPES = [
+    gguf.GGMLQuantizationType.Q4_0,
+    gguf.GGMLQuantizationType.Q4_1,
+    gguf.GGMLQuantizationType.Q8_0,
+]
+
+
+@pytest.fixture(scope="module")
+def ext() -> ModuleType:
+    module = load_extension()
+    if module is None:
+        pytest.skip("the GGUF CPU kernels cannot be built here")
+    return module
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Two OpenMP threads on a shared 2-core box spin against other jobs."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def _weights(n: int, k: int, seed: int) -> np.ndarray:
+    """Random rows, plus blocks that stress the formats: all zero, constant, huge, tiny."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    w[0, :32] = 0.0
+    if n > 1:
+        w[1, :32] = 0.75
+    if n > 2:
+        w[2, :32] *= 5e3  # near fp16 range: scales and mins up to ~2e4
+    if n > 3:
+        w[3, :32] *= 1e-6
+    return w
+
+
+def _quantize(
+    w: np.ndarray, qtype: gguf.GGMLQuantizationType
+) -> tuple[QuantizedWeight, np.ndarray]:
+    """Our container and gguf's own fp32 dequantization of the same blocks."""
+    blocks = gguf.quants.quantize(w, qtype)
+    reference = gguf.quants.dequantize(blocks, qtype).reshape(w.shape)
+    return QuantizedWeight.from_gguf(blocks, int(qtype), w.shape), reference
+
+
+@pytest.mark.parametrize("vector", [True, False], ids=["avx512", "scalar"])
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+def test_dequantized_weights_are_ggufs_bit_for_bit(
+    ext: ModuleType, qtype: gguf.GGMLQuantizationType, vector: bool
+) -> None:
+    if vector and not ext.has_vector_path():
+        pytest.skip("built without the AVX-512 path")
+    w = _weights(45, 160, seed=int(qtype))
+    quantized, reference = _quantize(w, qtype)
+    ours = ext.dequantize(quantized.data, quantized.qtype, quantized.k, vector).numpy()
+    assert ours.view(np.uint32).tolist() == reference.view(np.uint32).tolist()
+
+
+@pytest.mark.parametrize("vector", [True, False], ids=["avx512", "scalar"])
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+def test_gemm_matches_float64_reference(
+    ext: ModuleType, qtype: gguf.GGMLQuantizationType, vector: bool
+) -> None:
+    if vector and not ext.has_vector_path():
+        pytest.skip("built without the AVX-512 path")
+    gen = torch.Generator().manual_seed(0)
+    # N: below one 4-row tile, not a multiple of 16, several tiles; M past the 8-row slices.
+    for n, k in [(3, 32), (37, 96), (100, 576), (1000, 64)]:
+        quantized, reference = _quantize(_weights(n, k, seed=n + k), qtype)
+        dense = torch.from_numpy(reference).double()
+        bias = torch.randn(n, generator=gen)
+        for m in (1, 2, 3, 7, 8, 9, 20):
+            x = torch.randn(m, k, generator=gen)
+            for b in (None, bias):
+                y = ext.gemm(x, quantized.data, quantized.qtype, b, vector)
+                expected = x.double() @ dense.T + (0 if b is None else b.double())
+                # fp32 GEMM rounding: a few ulps of the sum of |products| (and of |bias|).
+                scale = x.double().abs() @ dense.abs().T + (0 if b is None else b.abs().double())
+                err = (y.double() - expected).abs()
+                assert y.dtype == torch.float32 and y.shape == (m, n)
+                assert bool((err <= 1e-6 * scale + 1e-30).all()), (n, k, m, float(err.max()))
+
+
+def test_linear_dispatch(ext: ModuleType) -> None:
+    w = _weights(24, 64, seed=1)
+    quantized, reference = _quantize(w, gguf.GGMLQuantizationType.Q4_1)
+    layer = Linear(64, 24, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(torch.from_numpy(reference))
+    layer.quantized = quantized
+    small = torch.randn(MAX_QUANTIZED_ROWS, 64)
+    assert torch.equal(layer(small), ext.gemm(small, quantized.data, quantized.qtype, layer.bias))
+    # Past the threshold, and for other dtypes, the dense weight runs as before.
+    large = torch.randn(MAX_QUANTIZED_ROWS + 1, 64)
+    assert torch.equal(layer(large), F.linear(large, layer.weight, layer.bias))
+    half = small.bfloat16()
+    assert torch.equal(
+        layer.bfloat16()(half), F.linear(half, layer.weight.bfloat16(), layer.bias.bfloat16())
+    )
+
+
+def test_cat_refuses_mixed_types() -> None:
+    w = _weights(8, 64, seed=2)
+    a, _ = _quantize(w, gguf.GGMLQuantizationType.Q4_1)
+    b, _ = _quantize(w, gguf.GGMLQuantizationType.Q8_0)
+    assert QuantizedWeight.cat([a, b]) is None
+    both = QuantizedWeight.cat([a, a])
+    assert both is not None and both.n == 16
+
+
+@pytest.fixture
+def fresh_extension_cache() -> Iterator[None]:
+    load_extension.cache_clear()
+    yield
+    load_extension.cache_clear()
+
+
+@pytest.mark.usefixtures("fresh_extension_cache")
+def test_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_SWITCH, "0")
+    assert load_extension() is None
+    assert not quantized_kernels_available(torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.usefixtures("fresh_extension_cache")
+def test_failed_build_warns_once_and_goes_dense(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def no_compiler(*args: object, **kwargs: object) -> ModuleType:
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.delenv(ENV_SWITCH, raising=False)
+    monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
+    with caplog.at_level(logging.WARNING, logger=gguf_linear.__name__):
+        assert not quantized_kernels_available(torch.device("cpu"), torch.float32)
+        assert not quantized_kernels_available(torch.device("cpu"), torch.float32)
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+
+
+def test_only_cpu_fp32_gets_quantized_copies(ext: ModuleType) -> None:
+    assert quantized_kernels_available(torch.device("cpu"), torch.float32)
+    assert not quantized_kernels_available(torch.device("cpu"), torch.bfloat16)
+    assert not quantized_kernels_available(torch.device("cuda"), torch.float32)
+
+
+def test_smollm2_quantized_copies_match_dense_weights(ext: ModuleType) -> None:
+    """The loader's blocks, Q/K rows unpermuted and fused, are the dense weights exactly."""
+    from gpu_worker.loader import load_model
+    from shared.model_source import ModelNotFoundError, resolve_model
+
+    try:
+        source = resolve_model("SmolLM2-135M-Instruct")
+    except ModelNotFoundError as exc:
+        pytest.skip(str(exc))
+    model, config = load_model(source, torch.device("cpu"))
+    layers = model.model.layers
+    for layer in (layers[0], layers[config.num_layers - 1]):
+        for linear in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        ):
+            assert linear.quantized is not None
+            assert torch.equal(linear.quantized.dequantize(), linear.weight)
+    head = model._quantized_head
+    assert head is not None and head.qtype == int(gguf.GGMLQuantizationType.Q8_0)
+    assert torch.equal(head.dequantize(), model.model.embed_tokens.weight)
+    hidden = torch.randn(3, config.hidden_size)
+    torch.testing.assert_close(
+        model.compute_logits(hidden),
+        F.linear(hidden, model.model.embed_tokens.weight),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+def test_engine_flag_keeps_dense_weights_with_the_same_tokens(ext: ModuleType) -> None:
+    """`gpu-worker --no-cpu-gguf-kernels` (cpu_gguf_kernels=False) attaches no blocks; the
+    greedy tokens are the kernel path's."""
+    from gpu_worker import Engine
+    from shared.sampling import SamplingParams
+
+    prompts = [[1, 9690, 198, 2683, 314, 260, 3575, 282, 4649, 47, 2, 198], [1, 520, 9531, 198]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tokens = {}
+    for enabled in (True, False):
+        engine = Engine(device="cpu", cpu_gguf_kernels=enabled, kv_cache_memory_gb=0.05)
+        linears = [m for m in engine.model.modules() if isinstance(m, Linear)]
+        assert all((m.quantized is not None) is enabled for m in linears)
+        tokens[enabled] = [c.token_ids for c in engine.generate(prompts, params)]
+    assert tokens[True] == tokens[False]

@@ -10,8 +10,8 @@ import time
 
 import httpx
 
-from tests.e2e.conftest import WorkerProcess, start_render
-from tests.integration.conftest import stop_server
+from tests.e2e.conftest import start_render
+from tests.helpers.processes import ServerProcess, WorkerProcess, stop_server
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -45,13 +45,43 @@ def _stream(base_url: str, body: dict, started: threading.Event, out: dict) -> N
     out["finish"] = finish
 
 
+def _stream_in_background(base_url: str, max_tokens: int) -> tuple[threading.Thread, dict]:
+    """A streaming request in a thread, returned once its first content has arrived, so
+    that it is surely in flight; `out` gets its status and finish_reason when it ends."""
+    started, out = threading.Event(), {}
+    thread = threading.Thread(target=_stream, args=(base_url, _body(max_tokens), started, out))
+    thread.start()
+    assert started.wait(60), "the stream did not start"
+    return thread, out
+
+
+def assert_sigterm_drains(render: ServerProcess, max_tokens: int) -> None:
+    """SIGTERM with a `max_tokens` stream in flight: /ready turns 503 within 5 s, a new
+    request is refused with 503 "draining", the stream runs to its end, and exit code 0."""
+    thread, out = _stream_in_background(render.base_url, max_tokens)
+    render.process.send_signal(signal.SIGTERM)
+
+    def ready_is_503() -> bool:
+        try:
+            return httpx.get(f"{render.base_url}/ready", timeout=5).status_code == 503
+        except httpx.TransportError:  # with --processes, a process closing its connections
+            return False
+
+    deadline = time.monotonic() + 5
+    while not ready_is_503():
+        assert time.monotonic() < deadline, "/ready did not turn 503"
+        time.sleep(0.05)
+    refused = httpx.post(f"{render.base_url}/v1/chat/completions", json=_body(4, False), timeout=30)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+    thread.join(120)
+    assert out["finish"] == "length", out  # the in-flight stream ran to its end
+    assert render.process.wait(30) == 0
+
+
 def test_max_pending_gives_429(worker_a: WorkerProcess, tmp_path) -> None:
     render = start_render([worker_a.address], tmp_path / "render.log", ["--max-pending", "1"])
     try:
-        started, out = threading.Event(), {}
-        thread = threading.Thread(target=_stream, args=(render.base_url, _body(40), started, out))
-        thread.start()
-        assert started.wait(60)
+        thread, out = _stream_in_background(render.base_url, 40)
         second = httpx.post(
             f"{render.base_url}/v1/chat/completions", json=_body(4, False), timeout=30
         )
@@ -71,21 +101,6 @@ def test_max_pending_gives_429(worker_a: WorkerProcess, tmp_path) -> None:
 def test_sigterm_drains_then_exits_0(worker_a: WorkerProcess, tmp_path) -> None:
     render = start_render([worker_a.address], tmp_path / "render.log", ["--drain-timeout", "60"])
     try:
-        started, out = threading.Event(), {}
-        thread = threading.Thread(target=_stream, args=(render.base_url, _body(60), started, out))
-        thread.start()
-        assert started.wait(60)
-        render.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 5
-        while httpx.get(f"{render.base_url}/ready").status_code != 503:
-            assert time.monotonic() < deadline, "/ready did not turn 503"
-            time.sleep(0.05)
-        refused = httpx.post(
-            f"{render.base_url}/v1/chat/completions", json=_body(4, False), timeout=30
-        )
-        assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
-        thread.join(120)
-        assert out["finish"] == "length", out  # the in-flight stream ran to its end
-        assert render.process.wait(30) == 0
+        assert_sigterm_drains(render, 60)
     finally:
         stop_server(render)

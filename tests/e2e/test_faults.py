@@ -3,20 +3,31 @@ a render server killed. Each is bounded in time."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Unpack
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import WorkerProcess, start_render, start_worker
-from tests.integration.conftest import ServerProcess, stop_server
+from tests.e2e.conftest import start_render
+from tests.helpers.processes import (
+    ServerProcess,
+    WorkerOptions,
+    WorkerProcess,
+    kill_worker,
+    start_worker,
+    stop_server,
+)
 
 MODEL = "SmolLM2-135M-Instruct"
+MAX_TOKENS = 48
 PROMPTS = [
     "List the days of the week.",
     "Count from one to twenty in words.",
@@ -25,44 +36,59 @@ PROMPTS = [
 ]
 
 
-def _kill(worker: WorkerProcess) -> None:
-    if worker.process.poll() is None:
-        worker.process.send_signal(signal.SIGKILL)
-        worker.process.wait(10)
+@contextlib.contextmanager
+def two_workers_one_render(
+    base: Path, heartbeat_timeout_s: int, **options: Unpack[WorkerOptions]
+) -> Iterator[tuple[WorkerProcess, WorkerProcess, ServerProcess]]:
+    """Two fresh workers (logs under `base`) behind one render server that declares a
+    worker dead after `heartbeat_timeout_s` of silence. The workers are killed at the end,
+    not drained: a fault test may have left them in any state."""
+    with contextlib.ExitStack() as cleanup:
+        workers = []
+        for name in ("w1", "w2"):
+            workers.append(start_worker(base / f"{name}.log", **options))
+            cleanup.callback(kill_worker, workers[-1])
+        addresses = [worker.address for worker in workers]
+        args = ["--heartbeat-timeout", str(heartbeat_timeout_s)]
+        render = start_render(addresses, base / "render.log", args)
+        cleanup.callback(stop_server, render)
+        yield workers[0], workers[1], render
 
 
 @pytest.fixture(scope="module")
 def cluster(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[WorkerProcess, WorkerProcess, ServerProcess]]:
-    base = tmp_path_factory.mktemp("faults")
-    first = start_worker(base / "w1.log")
-    second = start_worker(base / "w2.log")
-    render = start_render(
-        [first.address, second.address], base / "render.log", ["--heartbeat-timeout", "2"]
-    )
-    yield first, second, render
-    stop_server(render)
-    for worker in (first, second):
-        _kill(worker)
+    with two_workers_one_render(tmp_path_factory.mktemp("faults"), 2) as started:
+        yield started
 
 
-def _body(prompt: str, stream: bool) -> dict:
+def chat_body(prompt: str, max_tokens: int, stream: bool) -> dict:
+    """A greedy chat request that runs to exactly `max_tokens` (EOS ignored)."""
     return {
         "model": MODEL,
         "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": 48,
+        "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
         "stream": stream,
     }
 
 
-def _stream_text(server: ServerProcess, prompt: str, started: threading.Event) -> dict:
+def stream_chat(
+    server: ServerProcess,
+    prompt: str,
+    max_tokens: int,
+    started: threading.Event,
+    timeout_s: float = 120,
+) -> dict:
+    """Stream one `chat_body` request; set `started` at its first content. Returns the
+    text, the last finish_reason and the in-stream errors."""
     text, finish, errors = [], None, []
+    body = chat_body(prompt, max_tokens, True)
     with (
-        httpx.Client(base_url=server.base_url, timeout=60) as http,
-        http.stream("POST", "/v1/chat/completions", json=_body(prompt, True)) as response,
+        httpx.Client(base_url=server.base_url, timeout=timeout_s) as http,
+        http.stream("POST", "/v1/chat/completions", json=body) as response,
     ):
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -83,7 +109,9 @@ def test_kill_a_worker_mid_stream_every_stream_completes_identically(cluster) ->
     first, second, render = cluster
     reference = {
         prompt: httpx.post(
-            f"{render.base_url}/v1/chat/completions", json=_body(prompt, False), timeout=120
+            f"{render.base_url}/v1/chat/completions",
+            json=chat_body(prompt, MAX_TOKENS, False),
+            timeout=120,
         ).json()["choices"][0]["message"]["content"]
         for prompt in PROMPTS
     }
@@ -91,14 +119,14 @@ def test_kill_a_worker_mid_stream_every_stream_completes_identically(cluster) ->
     started = [threading.Event() for _ in PROMPTS]
 
     def run(index: int, prompt: str) -> None:
-        results[prompt] = _stream_text(render, prompt, started[index])
+        results[prompt] = stream_chat(render, prompt, MAX_TOKENS, started[index], 60)
 
     threads = [threading.Thread(target=run, args=pair) for pair in enumerate(PROMPTS)]
     for thread in threads:
         thread.start()
     for event in started:
         assert event.wait(60), "streams did not start"
-    _kill(second)  # every stream it served must move to the first worker
+    kill_worker(second)  # every stream it served must move to the first worker
     for thread in threads:
         thread.join(120)
     for prompt in PROMPTS:
@@ -118,25 +146,27 @@ def test_kill_the_only_worker_fails_fast(tmp_path_factory: pytest.TempPathFactor
         started = threading.Event()
         outcome: dict = {}
         thread = threading.Thread(
-            target=lambda: outcome.update(_stream_text(render, PROMPTS[0], started))
+            target=lambda: outcome.update(stream_chat(render, PROMPTS[0], MAX_TOKENS, started, 60))
         )
         thread.start()
         assert started.wait(60)
         killed_at = time.monotonic()
-        _kill(worker)
+        kill_worker(worker)
         thread.join(10)
         assert not thread.is_alive(), "the stream hung"
         assert time.monotonic() - killed_at < 5
         assert outcome["errors"] and outcome["errors"][0]["code"] == "worker_lost"
         response = httpx.post(
-            f"{render.base_url}/v1/chat/completions", json=_body("hi", False), timeout=10
+            f"{render.base_url}/v1/chat/completions",
+            json=chat_body("hi", MAX_TOKENS, False),
+            timeout=10,
         )
         assert response.status_code == 503
         assert response.headers.get("retry-after")
         assert httpx.get(f"{render.base_url}/ready").status_code == 503
     finally:
         stop_server(render)
-        _kill(worker)
+        kill_worker(worker)
 
 
 def test_kill_a_render_server_frees_its_requests_on_the_worker(
@@ -150,7 +180,7 @@ def test_kill_a_render_server_frees_its_requests_on_the_worker(
     probe = _Heartbeats(worker.address)
     try:
         started = threading.Event()
-        body = {**_body(PROMPTS[1], True), "max_tokens": 2000}
+        body = chat_body(PROMPTS[1], 2000, True)
 
         def stream() -> None:
             try:
@@ -179,4 +209,4 @@ def test_kill_a_render_server_frees_its_requests_on_the_worker(
     finally:
         probe.close()
         stop_server(render)
-        _kill(worker)
+        kill_worker(worker)

@@ -39,12 +39,19 @@ from shared.protocol import (
     WorkerStats,
 )
 from shared.sampling import SamplingParams
-from tests.e2e.conftest import WorkerProcess, start_render, start_worker
+from tests.e2e.conftest import start_render
+from tests.e2e.test_faults import MODEL, chat_body, stream_chat, two_workers_one_render
 from tests.e2e.test_openai_api import _Heartbeats
-from tests.integration.conftest import ServerProcess, free_port, stop_server
+from tests.helpers.processes import (
+    ServerProcess,
+    WorkerProcess,
+    free_port,
+    kill_worker,
+    start_worker,
+    stop_server,
+)
 from tests.integration.test_worker_server import Client
 
-MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = [
     "List the days of the week.",
     "Count from one to twenty in words.",
@@ -54,51 +61,14 @@ DETECT_WITHIN_S = 4.0
 IDLE_WITHIN_S = 5.0
 
 
-def _kill(worker: WorkerProcess) -> None:
-    if worker.process.poll() is None:
-        os.kill(worker.process.pid, signal.SIGCONT)  # a stopped process ignores SIGTERM
-        worker.process.kill()
-        worker.process.wait(10)
-
-
-def _chat(prompt: str, max_tokens: int, stream: bool) -> dict:
-    return {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": stream,
-    }
-
-
 def _reference(server: ServerProcess, prompt: str, max_tokens: int) -> str:
     response = httpx.post(
-        f"{server.base_url}/v1/chat/completions", json=_chat(prompt, max_tokens, False), timeout=120
+        f"{server.base_url}/v1/chat/completions",
+        json=chat_body(prompt, max_tokens, False),
+        timeout=120,
     )
     response.raise_for_status()
     return response.json()["choices"][0]["message"]["content"]
-
-
-def _stream(server: ServerProcess, prompt: str, max_tokens: int, started: threading.Event) -> dict:
-    text, finish, errors = [], None, []
-    with (
-        httpx.Client(base_url=server.base_url, timeout=120) as http,
-        http.stream("POST", "/v1/chat/completions", json=_chat(prompt, max_tokens, True)) as reply,
-    ):
-        for line in reply.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                errors.append(event["error"])
-                continue
-            for choice in event["choices"]:
-                if choice["delta"].get("content"):
-                    text.append(choice["delta"]["content"])
-                    started.set()
-                finish = choice.get("finish_reason") or finish
-    return {"text": "".join(text), "finish": finish, "errors": errors}
 
 
 def _worker_alive(server: ServerProcess, address: str) -> bool | None:
@@ -128,16 +98,8 @@ def pair(
     """Two fresh workers (room for 100+ sequences each) behind one render server that
     declares a worker dead after 3 s of silence."""
     base = tmp_path_factory.mktemp("more-faults")
-    args = ["--max-num-seqs", "128", "--kv-cache-memory-gb", "0.5"]
-    first = start_worker(base / "w1.log", args)
-    second = start_worker(base / "w2.log", args)
-    render = start_render(
-        [first.address, second.address], base / "render.log", ["--heartbeat-timeout", "3"]
-    )
-    yield first, second, render
-    stop_server(render)
-    for worker in (first, second):
-        _kill(worker)
+    with two_workers_one_render(base, 3, max_num_seqs=128, kv_cache_gb=0.5) as started:
+        yield started
 
 
 # ---- (a) SIGSTOP ---------------------------------------------------------------------
@@ -152,7 +114,9 @@ def test_sigstop_a_worker_mid_stream_streams_move_and_finish_identically(pair) -
     started = [threading.Event() for _ in PROMPTS]
     threads = [
         threading.Thread(
-            target=lambda i=i, p=p: results.update({p: _stream(render, p, max_tokens, started[i])})
+            target=lambda i=i, p=p: results.update(
+                {p: stream_chat(render, p, max_tokens, started[i])}
+            )
         )
         for i, p in enumerate(PROMPTS)
     ]
@@ -215,7 +179,7 @@ async def _open_and_drop(
     async with httpx.AsyncClient(base_url=base_url, timeout=120, limits=limits) as http:
 
         async def one(index: int) -> None:
-            body = _chat(f"Tell story number {index} about a lighthouse.", max_tokens, True)
+            body = chat_body(f"Tell story number {index} about a lighthouse.", max_tokens, True)
             async with http.stream("POST", "/v1/chat/completions", json=body) as response:
                 assert response.status_code == 200, await response.aread()
                 # Held in a name: an abandoned line iterator is finalized at once, and
@@ -387,7 +351,7 @@ def test_garbage_from_a_worker_connection_does_not_stop_serving(
         for round_ in range(3):  # while the garbage keeps coming
             assert _reference(render, PROMPTS[0], 12) == reference
             started = threading.Event()
-            streamed = _stream(render, PROMPTS[round_], 12, started)
+            streamed = stream_chat(render, PROMPTS[round_], 12, started)
             assert streamed["errors"] == [] and streamed["finish"] == "length"
             assert httpx.get(f"{render.base_url}/ready", timeout=5).status_code == 200
         assert _worker_alive(render, fake.address) is False
@@ -429,7 +393,7 @@ def test_kv_exhaustion_preempts_and_every_output_matches_its_solo_run(
 ) -> None:
     gigabytes = (KV_BLOCKS * BYTES_PER_BLOCK + BYTES_PER_BLOCK // 2) / (1 << 30)
     log = tmp_path_factory.mktemp("kv-exhaustion") / "worker.log"
-    worker = start_worker(log, ["--kv-cache-memory-gb", f"{gigabytes:.6f}"])
+    worker = start_worker(log, kv_cache_gb=gigabytes)
     client = Client(worker.address)
     try:
         client.send(Hello(client_id="kv-exhaustion"))
@@ -470,5 +434,5 @@ def test_kv_exhaustion_preempts_and_every_output_matches_its_solo_run(
             assert outputs[f"load-{index}"] == solo[index], f"request {index} differs"
     finally:
         client.close()
-        _kill(worker)
+        kill_worker(worker)
     assert "Traceback" not in log.read_text(errors="replace")

@@ -6,8 +6,6 @@ Which process answered is read from the access log, whose lines carry the proces
 from __future__ import annotations
 
 import re
-import signal
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -16,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import WorkerProcess, start_render
-from tests.e2e.test_admission import MODEL, _body, _stream
-from tests.integration.conftest import ServerProcess, stop_server
+from tests.e2e.conftest import start_render
+from tests.e2e.test_admission import MODEL, assert_sigterm_drains
+from tests.helpers.processes import ServerProcess, WorkerProcess, stop_server
 
 _ACCESS = re.compile(r'\[(\d+)\] uvicorn\.access: \S+ - "(\w+) (\S+) HTTP/1\.1" 200')
 
@@ -99,25 +97,6 @@ def test_sigterm_drains_every_process_then_exits_0(worker_a: WorkerProcess, tmp_
         [worker_a.address], tmp_path / "render.log", ["--processes", "2", "--drain-timeout", "60"]
     )
     try:
-        started, out = threading.Event(), {}
-        thread = threading.Thread(target=_stream, args=(render.base_url, _body(40), started, out))
-        thread.start()
-        assert started.wait(60)
-        render.process.send_signal(signal.SIGTERM)
-
-        def ready_is_503() -> bool:
-            try:
-                return httpx.get(f"{render.base_url}/ready", timeout=5).status_code == 503
-            except httpx.TransportError:  # a process closing its connections
-                return False
-
-        _until(ready_is_503, 5, "/ready to turn 503")
-        refused = httpx.post(
-            f"{render.base_url}/v1/chat/completions", json=_body(4, False), timeout=30
-        )
-        assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
-        thread.join(120)
-        assert out["finish"] == "length", out  # the in-flight stream ran to its end
-        assert render.process.wait(30) == 0
+        assert_sigterm_drains(render, 40)
     finally:
         stop_server(render)

@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,48 +13,16 @@ import zmq.auth
 from render_server.workers import WorkerError, WorkerPool
 from shared.curve import generate, render_keys
 from shared.tokenizer_digest import tokenizer_digest
+from tests.helpers.processes import SMALL_WORKER, start_worker, stop_worker
 
 
 @pytest.fixture(scope="module")
 def curve_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     keys = tmp_path_factory.mktemp("curve")
     generate(keys)
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gpu_worker.cli",
-            "--bind",
-            "tcp://127.0.0.1:*",
-            "--device",
-            "cpu",
-            "--kv-cache-memory-gb",
-            "0.05",
-            "--zmq-curve-dir",
-            str(keys),
-            "--log-level",
-            "warning",
-        ],  # fmt: skip
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert process.stdout is not None
-    address = None
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            break
-        if line.startswith("gpu-worker ready on "):
-            address = line.split()[-1]
-            break
-    if address is None:
-        process.kill()
-        pytest.fail("the CURVE worker did not start")
-    yield address, keys
-    process.terminate()
-    process.wait(30)
+    worker = start_worker(None, ["--zmq-curve-dir", str(keys)], startup_s=180, **SMALL_WORKER)
+    yield worker.address, keys
+    stop_worker(worker, timeout_s=30)
 
 
 def _connect(address: str, curve: object, digest: str, timeout_s: float) -> bool:

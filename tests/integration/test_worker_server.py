@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,6 +24,7 @@ from shared.protocol import (
 )
 from shared.sampling import SamplingParams
 from shared.transport import make_dealer
+from tests.helpers.processes import SMALL_WORKER, start_worker, stop_worker
 
 PROMPT = [1, 4093, 198, 2683, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
 STARTUP_TIMEOUT_S = 180
@@ -34,40 +32,9 @@ STARTUP_TIMEOUT_S = 180
 
 @pytest.fixture(scope="module")
 def worker() -> Iterator[str]:
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gpu_worker.cli",
-            "--bind",
-            "tcp://127.0.0.1:*",
-            "--device",
-            "cpu",
-            "--kv-cache-memory-gb",
-            "0.05",
-            "--log-level",
-            "warning",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert process.stdout is not None
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    endpoint = None
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            break
-        if line.startswith("gpu-worker ready on "):
-            endpoint = line.split()[-1]
-            break
-    if endpoint is None:
-        process.kill()
-        pytest.fail("gpu-worker did not become ready")
-    yield endpoint
-    process.terminate()
-    assert process.wait(timeout=30) == 0
+    worker = start_worker(None, startup_s=STARTUP_TIMEOUT_S, **SMALL_WORKER)
+    yield worker.address
+    assert stop_worker(worker, timeout_s=30) == 0
 
 
 class Client:

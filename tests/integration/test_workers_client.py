@@ -12,7 +12,6 @@ import os
 import queue
 import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -40,6 +39,13 @@ from shared.protocol import (
 )
 from shared.sampling import SamplingParams
 from shared.transport import bound_endpoint, make_dealer
+from tests.helpers.processes import (
+    SMALL_WORKER,
+    WorkerProcess,
+    spawn_worker,
+    stop_worker,
+    wait_worker_ready,
+)
 
 PROMPT = [1, 4093, 198, 2683, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
 STARTUP_TIMEOUT_S = 180
@@ -66,63 +72,28 @@ class Workers:
 
     a: str
     b: str
-    process_b: subprocess.Popen[str]
-
-
-def _start_worker() -> subprocess.Popen[str]:
-    # One torch thread each: two workers (and other tests) share two cores, and
-    # oversubscribed CPU threads make steps seconds long instead of ~0.1 s.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gpu_worker.cli",
-            "--bind",
-            "tcp://127.0.0.1:*",
-            "--device",
-            "cpu",
-            "--kv-cache-memory-gb",
-            "0.05",
-            "--log-level",
-            "warning",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-
-
-def _wait_ready(process: subprocess.Popen[str], deadline: float) -> str | None:
-    assert process.stdout is not None
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            return None
-        if line.startswith("gpu-worker ready on "):
-            return line.split()[-1]
-    return None
+    process_b: subprocess.Popen[bytes]
 
 
 @pytest.fixture(scope="module")
 def workers() -> Iterator[Workers]:
     # Both load the model at the same time: startup is most of this module's runtime.
-    processes = [_start_worker(), _start_worker()]
+    processes = [spawn_worker(None, **SMALL_WORKER), spawn_worker(None, **SMALL_WORKER)]
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    endpoints = [_wait_ready(process, deadline) for process in processes]
+    started: list[WorkerProcess] = []
     try:
-        if None in endpoints:
-            pytest.fail("gpu-worker did not become ready")
-        a, b = endpoints
-        assert a is not None and b is not None
-        yield Workers(a, b, processes[1])
+        for process in processes:
+            started.append(wait_worker_ready(process, None, deadline))
+        a, b = started
+        yield Workers(a.address, b.address, b.process)
     finally:
-        for process in processes:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(process.pid, signal.SIGCONT)
-            process.terminate()
-        for process in processes:
-            assert process.wait(timeout=30) == 0
+        # A worker never waited for (an earlier one failed to start) has nothing to drain.
+        for process in processes[len(started) :]:
+            process.kill()
+            process.wait()
+        # stop_worker continues a worker a test left SIGSTOPped before terminating it.
+        exit_codes = [stop_worker(worker, timeout_s=30) for worker in started]
+        assert exit_codes == [0] * len(started), exit_codes
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from gpu_worker.device import (
 from gpu_worker.engine_config import EngineConfig
 from gpu_worker.errors import RequestRejected
 from gpu_worker.kv_cache import KVCacheManager
+from gpu_worker.layer_ops import get_layer_ops
 from gpu_worker.loader import load_model
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.sampler import Sampler, SamplerOutput, SamplingRequestState
@@ -78,6 +79,7 @@ class Engine:
             self.device,
             self.dtype,
             get_attention_backend(backend_name),
+            layer_ops=get_layer_ops(backend_name),
             gguf_kernels=config.cpu_gguf_kernels,
         )
         mc = self.model_config

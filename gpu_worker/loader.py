@@ -30,6 +30,7 @@ from gpu_worker.gguf_linear import (
     gguf_quantized_weights,
     quantized_kernels_available,
 )
+from gpu_worker.layer_ops import LayerOps
 from gpu_worker.models import get_model_class
 from shared.model_source import ModelSource
 
@@ -297,10 +298,11 @@ def load_model(
     dtype: torch.dtype | None = None,
     attn_backend: AttentionBackend | None = None,
     *,
+    layer_ops: LayerOps | None = None,
     gguf_kernels: bool = True,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build the model on `device` in `dtype` (default bf16 on CUDA, fp32 elsewhere) and fill
-    it with the source's weights. Attention defaults to the torch backend. `gguf_kernels`
+    it with the source's weights. Attention and layer ops default to plain torch. `gguf_kernels`
     lets an fp32 CPU model read a GGUF file's quantized blocks in decode-sized matmuls."""
     device = torch.device(device)
     if dtype is None:
@@ -315,7 +317,7 @@ def load_model(
     model_cls = get_model_class(config.architecture)
     # Build on the meta device: no random init of weights that are overwritten at once.
     with torch.device("meta"):
-        model = model_cls(config, attn_backend or TorchAttentionBackend())
+        model = model_cls(config, attn_backend or TorchAttentionBackend(), layer_ops)
     model = model.to(dtype).to_empty(device=device)
     model.load_weights(weights)
     model.build_caches(device)

@@ -18,29 +18,30 @@ from torch import nn
 
 from gpu_worker.attention import AttentionBackend, AttentionMetadata
 from gpu_worker.gguf_linear import QuantizedWeight
+from gpu_worker.layer_ops import LayerOps, RotaryTables, TorchLayerOps
 
 if TYPE_CHECKING:  # the loader imports this module, so only the type crosses back
     from gpu_worker.loader import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm, computed in fp32 like the HF reference."""
+    """Root-mean-square layer norm; the arithmetic is the layer ops' (`gpu_worker.layer_ops`)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, ops: LayerOps | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.ops = ops or TorchLayerOps()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            # One fused call instead of six ops, 61 times a step; in fp32 it gives the
-            # formula below to the bit.
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # HF rounds the normalized value to the model dtype before scaling; the fused
-        # kernel rounds once at the end, a last-bit difference in a quarter of bf16 values.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`residual + x`, normed: returns `(norm(residual + x), residual + x)` in one pass
+        where the ops fuse it."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Linear(nn.Linear):
@@ -140,18 +141,12 @@ class RotaryEmbedding(nn.Module):
         return cos[:, None, :], sin[:, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [tokens, heads, head_dim]; the two halves of head_dim are the rotated pairs."""
-    h = x.float()
-    out = h * cos + h.roll(x.shape[-1] // 2, dims=-1) * sin
-    return out.to(x.dtype)
-
-
 class Attention(nn.Module):
     """Self-attention with a fused QKV projection and grouped KV heads."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps) -> None:
         super().__init__()
+        self.ops = ops
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -167,8 +162,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rotary: RotaryTables,
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
@@ -177,7 +171,7 @@ class Attention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(
             -1, self.num_heads + self.num_kv_heads, self.head_dim
         )
-        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = self.ops.rotate(qk, self.num_heads, rotary)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
@@ -186,50 +180,60 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward with gate and up fused into one matmul."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: LayerOps) -> None:
         super().__init__()
+        self.ops = ops
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block."""
+    """Pre-norm transformer block over a residual stream carried between layers: each
+    residual add is fused into the norm after it."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.self_attn = Attention(config, backend, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.mlp = MLP(config, ops)
 
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: RotaryTables,
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x is the previous layer's output (the embeddings for the first layer, whose
+        `residual` is None); returns this layer's output and the residual stream."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, rotary, meta, kv_cache)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
     """Embeddings, decoder layers and the final norm."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps) -> None:
         super().__init__()
         # An empty `_weight` skips the random init (on meta it would import torch._dynamo):
         # the loader overwrites every weight anyway.
         shape = (config.vocab_size, config.hidden_size)
         self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, backend, ops) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
 
 # HF checkpoint name -> (our fused parameter, which shard of it).
@@ -246,10 +250,13 @@ _STACKED_RE = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
 class LlamaForCausalLM(nn.Module):
     """Causal LM head over `LlamaModel`; serves every architecture in the Llama family."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps | None = None
+    ) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, backend)
+        self.ops = ops = ops or TorchLayerOps()
+        self.model = LlamaModel(config, backend, ops)
         self.rotary = RotaryEmbedding(config)
         # Tied models read the embedding matrix directly, so no second parameter can drift.
         self.lm_head: nn.Linear | None = None
@@ -302,11 +309,14 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
         """input_ids/positions [num_tokens] -> final-normed hidden states [num_tokens, hidden]."""
-        cos, sin = self.rotary(positions)
+        rotary = self.ops.rotary_tables(positions, self.rotary.cos_cache, self.rotary.sin_cache)
         x = self.model.embed_tokens(input_ids)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, attn_metadata, kv_cache)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rotary, attn_metadata, kv_cache)
+        if residual is None:  # a model without layers
+            return self.model.norm(x)
+        return self.model.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states at the sampled positions [n, hidden] -> fp32 logits [n, vocab]."""

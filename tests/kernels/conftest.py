@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,3 +102,16 @@ def random_tensor(*shape: int, dtype: torch.dtype, device: torch.device, seed: i
     """Seeded normal values, drawn in fp32 on the CPU so every device sees the same numbers."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama (head_dim 16, GQA 2) with a word-level tokenizer: enough for an
+    `Engine` on either backend, small enough for the interpreter."""
+    from tests.helpers.tiny_models import save_tiny_model, save_tiny_tokenizer
+
+    out_dir, hf = save_tiny_model(
+        tmp_path_factory.mktemp("tiny-llama"), "llama", tie_word_embeddings=False
+    )
+    save_tiny_tokenizer(out_dir, hf.config.vocab_size)
+    return out_dir

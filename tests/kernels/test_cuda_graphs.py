@@ -20,7 +20,6 @@ from gpu_worker.loader import load_model
 from gpu_worker.triton_backend import TritonAttentionBackend
 from shared.model_source import resolve_model
 from shared.sampling import SamplingParams
-from tests.helpers.tiny_models import save_tiny_model, save_tiny_tokenizer
 
 BLOCK_SIZE = 16
 
@@ -36,15 +35,6 @@ def test_buckets_cover_every_batch_size_with_little_padding() -> None:
         assert bucket - n < 8
     with pytest.raises(ValueError):
         batch_size_buckets(0)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out_dir, hf = save_tiny_model(
-        tmp_path_factory.mktemp("tiny-graphs"), "llama", tie_word_embeddings=False
-    )
-    save_tiny_tokenizer(out_dir, hf.config.vocab_size)
-    return out_dir
 
 
 def _model_and_caches(
@@ -82,8 +72,8 @@ def _runner(
     )
 
 
-def test_padding_rows_leave_the_cache_alone_and_match_eager(tiny_dir: Path) -> None:
-    model, caches = _model_and_caches(tiny_dir, num_blocks=12)
+def test_padding_rows_leave_the_cache_alone_and_match_eager(tiny_model_dir: Path) -> None:
+    model, caches = _model_and_caches(tiny_model_dir, num_blocks=12)
     for cache in caches:
         cache.normal_()
     eager_caches = [c.clone() for c in caches]
@@ -113,8 +103,8 @@ def test_padding_rows_leave_the_cache_alone_and_match_eager(tiny_dir: Path) -> N
         torch.testing.assert_close(cache.flatten(1, 2)[:, written], eager.flatten(1, 2)[:, written])
 
 
-def test_steps_too_big_or_not_pure_decode_run_eagerly(tiny_dir: Path) -> None:
-    model, caches = _model_and_caches(tiny_dir, num_blocks=8)
+def test_steps_too_big_or_not_pure_decode_run_eagerly(tiny_model_dir: Path) -> None:
+    model, caches = _model_and_caches(tiny_model_dir, num_blocks=8)
     runner = _runner(model, caches, 2, 2)
     assert not runner.can_run(AttentionMetadata.build([1] * 3, [1, 1, 1], [[0]] * 3, BLOCK_SIZE))
     assert not runner.can_run(AttentionMetadata.build([4], [0], [[0]], BLOCK_SIZE))
@@ -131,11 +121,11 @@ def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(rng.randrange(5, 40))] for _ in range(n)]
 
 
-def test_engine_outputs_equal_with_the_graph_path(tiny_dir: Path) -> None:
+def test_engine_outputs_equal_with_the_graph_path(tiny_model_dir: Path) -> None:
     """Six requests of different lengths: the batch shrinks through buckets 8, 4, 2 and 1 as
     they finish, every step of it through the static buffers; tokens equal the eager run."""
     engine = Engine(
-        model=str(tiny_dir),
+        model=str(tiny_model_dir),
         device="cpu",
         attention_backend="triton",
         max_model_len=96,

@@ -126,7 +126,12 @@ def test_sigstop_a_worker_mid_stream_streams_move_and_finish_identically(pair) -
             thread.start()
         for event in started:
             assert event.wait(60), "streams did not start"
+        # A heartbeat sent just before the first step of the streams shows nothing running;
+        # read fresh ones until one does (the streams last seconds).
+        deadline = time.monotonic() + 10
         running = [probe.latest(1.0).stats.num_running for probe in probes]
+        while max(running) < 1 and time.monotonic() < deadline:
+            running = [probe.latest(1.0).stats.num_running for probe in probes]
         victim = 0 if running[0] >= running[1] else 1
         assert running[victim] >= 1, running
         stopped = (first, second)[victim]

@@ -17,6 +17,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from gpu_worker import cpu_ops
+
 
 @dataclass
 class AttentionMetadata:
@@ -160,12 +162,26 @@ class DecodeGroup:
 
 
 @dataclass
+class KernelDecodes:
+    """A mixed step's single-query sequences, for the CPU paged decode kernel (which reads
+    K/V straight from the blocks: no gather, no mask)."""
+
+    rows: slice | torch.Tensor
+    """Their rows in the batch: a slice when contiguous, else an int64 index."""
+    block_tables: torch.Tensor
+    """[num_decodes, max_blocks] int32, contiguous: their rows of the block table."""
+    seq_lens: torch.Tensor
+    """[num_decodes] int32, contiguous."""
+
+
+@dataclass
 class TorchAttentionPlan:
     """What every layer of one step does, worked out once from the metadata.
 
     Sequences with one query token (decodes) are sorted by length and cut into groups,
     one SDPA call each; longer ones (prefill chunks) run one call each. Index tensors and
-    masks are shared by all layers.
+    masks are shared by all layers. When the CPU kernel takes the decodes
+    (`kernel_decodes`), no groups are built.
 
     Why groups: a decode's keys are scattered over cache blocks, so they are gathered
     into one padded tensor first. Gathering the whole batch at once (17 MB a layer at 32
@@ -177,13 +193,18 @@ class TorchAttentionPlan:
 
     decode: list[DecodeGroup]
     prefills: list[PrefillSeq]
+    kernel_decodes: KernelDecodes | None = None
 
     @classmethod
     def build(
-        cls, meta: AttentionMetadata, kv_cache: torch.Tensor, dtype: torch.dtype
+        cls,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        dtype: torch.dtype,
+        decode_kernel: bool = False,
     ) -> TorchAttentionPlan:
         """Plan the step for one layer's `kv_cache` (all layers share its shape) and
-        queries of `dtype`."""
+        queries of `dtype`; `decode_kernel` hands the decodes to `cpu_ops`."""
         # Host copies when the builder passed them: no device read-back on CUDA.
         starts = meta.query_start_loc_host
         if starts is None:
@@ -207,6 +228,17 @@ class TorchAttentionPlan:
                 q_pos = torch.arange(ctx, seq_len, device=device)
                 hidden = torch.arange(seq_len, device=device)[None, :] > q_pos[:, None]
                 prefills.append(PrefillSeq(start, end, blocks, _additive_mask(hidden, dtype)))
+
+        if decode_kernel:
+            kernel = None
+            if decodes:
+                index = torch.tensor(decodes, dtype=torch.int64, device=device)
+                kernel = KernelDecodes(
+                    _as_index([starts[i] for i in decodes], device),
+                    meta.block_tables.index_select(0, index).contiguous(),
+                    meta.seq_lens.index_select(0, index).contiguous(),
+                )
+            return cls([], prefills, kernel)
 
         # Gathered bytes per key position (K and V); GPUs have no such cache to fit.
         token_bytes = 2 * kv_cache[0, 0, 0].numel() * kv_cache.element_size()
@@ -268,11 +300,21 @@ def _as_index(values: list[int], device: torch.device) -> slice | torch.Tensor:
 
 
 class TorchAttentionBackend:
-    """Reference backend in plain torch (CPU, and a correctness oracle for the kernels)."""
+    """Reference backend in plain torch (CPU, and a correctness oracle for the kernels).
+
+    On CPU fp32, with duet's CPU extension built (`gpu_worker.cpu_ops`), decode rows and
+    the KV write go to its kernels instead; otherwise (and always for prefill rows) it is
+    plain torch.
+    """
 
     def write_kv(
         self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
+        if _write_kernel_applies(k, v, kv_cache, slot_mapping):
+            # One call, a memcpy per row: ~1 us against ~7 us for the two index_copy_ below
+            # at one token (10x at 32), 30 layers a step.
+            cpu_ops.write_kv(k, v, kv_cache, slot_mapping)
+            return
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         # A view over (blocks, offsets) flattened into slots; writes land in the cache itself.
         kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
@@ -288,14 +330,26 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         self.write_kv(k, v, kv_cache, meta.slot_mapping)
+        kernel = _decode_kernel_applies(q, kv_cache, meta)
+        if kernel and meta.is_pure_decode and q.shape[0] == meta.num_seqs:
+            # One query per sequence, row i = sequence i: the whole batch in one call, and
+            # no plan (its per-step index and mask tensors cost more than they save here).
+            return cpu_ops.paged_decode_attention(
+                _rows_contiguous(q), kv_cache, meta.block_tables, meta.seq_lens, scale
+            )
         plan = meta.torch_plan
         if plan is None:
-            plan = meta.torch_plan = TorchAttentionPlan.build(meta, kv_cache, q.dtype)
+            plan = meta.torch_plan = TorchAttentionPlan.build(meta, kv_cache, q.dtype, kernel)
         if not plan.prefills and len(plan.decode) == 1:
             group = plan.decode[0]
             if isinstance(group.rows, slice) and group.rows == slice(0, q.shape[0]):
                 return self._decode(q, kv_cache, group, scale)  # one group, every row
         out = torch.empty_like(q)
+        if plan.kernel_decodes is not None:
+            dec = plan.kernel_decodes
+            out[dec.rows] = cpu_ops.paged_decode_attention(
+                _rows_contiguous(q[dec.rows]), kv_cache, dec.block_tables, dec.seq_lens, scale
+            )
         for group in plan.decode:
             out[group.rows] = self._decode(q[group.rows], kv_cache, group, scale)
         for seq in plan.prefills:
@@ -354,6 +408,45 @@ class TorchAttentionBackend:
             queries, keys, values, attn_mask=seq.mask, scale=scale, enable_gqa=True
         )
         return out.transpose(0, 1)
+
+
+def _decode_kernel_applies(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+) -> bool:
+    """Whether `cpu_ops.paged_decode_attention` takes this step's decodes: CPU fp32 tensors,
+    the extension built, and the metadata in the int32 layout it reads."""
+    return (
+        cpu_ops.available(q)
+        and kv_cache.dtype == torch.float32
+        and kv_cache.is_contiguous()
+        and meta.block_tables.dtype == torch.int32
+        and meta.seq_lens.dtype == torch.int32
+        and meta.block_tables.is_contiguous()
+    )
+
+
+def _write_kernel_applies(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> bool:
+    """Whether `cpu_ops.write_kv` can store this step's k/v: CPU fp32 throughout, each
+    row's [kv_heads, head_dim] dense (rows themselves may be strided views of QKV)."""
+    return (
+        cpu_ops.available(k)
+        and v.dtype == torch.float32
+        and kv_cache.dtype == torch.float32
+        and kv_cache.is_contiguous()
+        and slot_mapping.dtype == torch.int64
+        and slot_mapping.is_contiguous()
+        and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (k, v))
+    )
+
+
+def _rows_contiguous(q: torch.Tensor) -> torch.Tensor:
+    """The kernel allows strided rows (q is a view of the fused QKV output) but wants each
+    row's [heads, head_dim] dense."""
+    if q.stride(-1) == 1 and q.stride(-2) == q.shape[-1]:
+        return q
+    return q.contiguous()
 
 
 def _gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,8 @@ only in summation order. Batches with more rows than `MAX_QUANTIZED_ROWS` (prefi
 the dense fp32 GEMM.
 
 `DUET_CPU_GGUF_KERNELS=0` turns the kernel off; so does a failed build, with one warning.
+The same extension carries the other CPU kernels (`csrc/cpu_ops.cpp`, used through
+`gpu_worker.cpu_ops`: decode attention, KV write, RMSNorm), so the switch covers them too.
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ SUPPORTED_TYPES: dict[int, int] = {
 # layer is at parity and at 64 the dense GEMM wins on every shape.
 MAX_QUANTIZED_ROWS = 32
 
-_SOURCE = Path(__file__).parent / "csrc" / "gguf_gemv.cpp"
+# One extension module for all CPU kernels: gguf_gemv.cpp defines the module and registers
+# cpu_ops.cpp's functions (attention, KV write, RMSNorm; used through gpu_worker.cpu_ops).
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("gguf_gemv.cpp", "cpu_ops.cpp")]
 
 
 def kernels_enabled() -> bool:
@@ -90,8 +94,8 @@ def load_extension() -> ModuleType | None:
 
         _put_ninja_on_path()
         return load(
-            name=f"duet_gguf_gemv_{_cpu_tag()}",
-            sources=[str(_SOURCE)],
+            name=f"duet_cpu_kernels_{_cpu_tag()}",
+            sources=[str(s) for s in _SOURCES],
             # -ffp-contract=off keeps gguf's separate multiply and add when dequantizing;
             # -fopenmp makes at::parallel_for use torch's (already loaded) OpenMP pool.
             extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
@@ -99,7 +103,9 @@ def load_extension() -> ModuleType | None:
             verbose=False,
         )
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a compile error: go dense
-        logger.warning("GGUF CPU kernels unavailable, using dense fp32 weights: %s", exc)
+        logger.warning(
+            "duet CPU kernels unavailable, using dense fp32 weights and torch ops: %s", exc
+        )
         return None
 
 

@@ -383,10 +383,16 @@ bool has_vector_path() {
 
 }  // namespace
 
+namespace duet {
+// csrc/cpu_ops.cpp: attention, KV write and RMSNorm, compiled into this same module.
+void register_cpu_ops(pybind11::module_& m);
+}  // namespace duet
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm", &gemm, "y = x @ W^T for GGUF-quantized W", py::arg("x"), py::arg("w"),
         py::arg("qtype"), py::arg("bias") = py::none(), py::arg("vector") = true);
   m.def("dequantize", &dequantize, "W as fp32, as the gemm reads it", py::arg("w"),
         py::arg("qtype"), py::arg("k"), py::arg("vector") = true);
   m.def("has_vector_path", &has_vector_path, "built with the AVX-512 path");
+  duet::register_cpu_ops(m);
 }

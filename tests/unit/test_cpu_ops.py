@@ -5,7 +5,6 @@ torch attention backend with and without them."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
@@ -14,26 +13,11 @@ import torch.nn.functional as F
 
 from gpu_worker import attention, cpu_ops
 from gpu_worker.attention import AttentionMetadata, TorchAttentionBackend
-from gpu_worker.gguf_linear import load_extension
 
 BLOCK = 16
 
 
-@pytest.fixture(scope="module")
-def ext() -> ModuleType:
-    module = load_extension()
-    if module is None:
-        pytest.skip("the duet CPU kernels cannot be built here")
-    return module
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Two OpenMP threads on a shared 2-core box spin against other jobs."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _paged_case(

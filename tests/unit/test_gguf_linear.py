@@ -30,21 +30,7 @@ QTYPES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def ext() -> ModuleType:
-    module = load_extension()
-    if module is None:
-        pytest.skip("the GGUF CPU kernels cannot be built here")
-    return module
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Two OpenMP threads on a shared 2-core box spin against other jobs."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _weights(n: int, k: int, seed: int) -> np.ndarray:

@@ -97,6 +97,12 @@ def test_sigterm_drains_every_process_then_exits_0(worker_a: WorkerProcess, tmp_
         [worker_a.address], tmp_path / "render.log", ["--processes", "2", "--drain-timeout", "60"]
     )
     try:
+        # /ready answers once one process serves; the drain is about both, so wait for the
+        # second to finish starting (SIGTERM mid-startup is another case).
+        deadline = time.monotonic() + 60
+        while render.log().count("Application startup complete") < 2:
+            assert time.monotonic() < deadline, "the second render process did not start"
+            time.sleep(0.1)
         assert_sigterm_drains(render, 40)
     finally:
         stop_server(render)

@@ -17,12 +17,12 @@ import argparse
 import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from gguf_gemv import timed
 from results_md import write_section
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -35,13 +35,7 @@ EPS = 1e-5
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # first-call costs
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return statistics.median(timed(fn, repeats)) * 1e3
 
 
 def compare(

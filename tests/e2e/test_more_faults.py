@@ -176,10 +176,16 @@ def _has_content(line: str) -> bool:
 
 
 async def _open_and_drop(
-    base_url: str, count: int, max_tokens: int, all_started: asyncio.Event, started: list[int]
+    base_url: str,
+    count: int,
+    max_tokens: int,
+    all_started: asyncio.Event,
+    release: asyncio.Event,
+    started: list[int],
 ) -> None:
-    """`count` streams; each waits for its first content, then for every stream to have
-    started, then closes its connection mid-stream."""
+    """`count` streams; each waits for its first content, then for `release` (set once
+    every stream has started and the workers were seen holding them), then closes its
+    connection mid-stream."""
     limits = httpx.Limits(max_connections=count + 10, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=base_url, timeout=120, limits=limits) as http:
 
@@ -196,11 +202,26 @@ async def _open_and_drop(
                 started[0] += 1
                 if started[0] == count:
                     all_started.set()
-                await all_started.wait()
+                await release.wait()
                 del lines
             # leaving the block closes the connection with the stream unfinished
 
         await asyncio.gather(*(one(i) for i in range(count)))
+
+
+def _held(probes: list[_Heartbeats], at_least: int, within_s: float) -> list[int]:
+    """Requests each worker holds (running or preempted), from fresh heartbeats, polled
+    until they add up to `at_least` or `within_s` passes. A heartbeat carries stats the
+    engine published up to a second and a half earlier, so one read can predate the
+    requests."""
+    deadline = time.monotonic() + within_s
+    while True:
+        held = [
+            stats.num_running + stats.num_waiting
+            for stats in (probe.latest(1.0).stats for probe in probes)
+        ]
+        if sum(held) >= at_least or time.monotonic() > deadline:
+            return held
 
 
 def test_100_clients_disconnect_mid_stream_kv_returns_to_idle(pair) -> None:
@@ -210,26 +231,24 @@ def test_100_clients_disconnect_mid_stream_kv_returns_to_idle(pair) -> None:
     try:
         _wait_idle(probes, 30)
         all_started = asyncio.Event()
+        release = asyncio.Event()
         started = [0]
-        running_at_drop: list[int] = []
+        held_at_drop: list[int] = []
 
         async def scenario() -> None:
             task = asyncio.create_task(
-                _open_and_drop(render.base_url, count, 512, all_started, started)
+                _open_and_drop(render.base_url, count, 512, all_started, release, started)
             )
             await asyncio.wait_for(all_started.wait(), 120)
             # everyone is mid-stream: see it on the workers before the clients leave
-            running_at_drop.extend(
-                await asyncio.to_thread(
-                    lambda: [probe.latest(1.0).stats.num_running for probe in probes]
-                )
-            )
+            held_at_drop.extend(await asyncio.to_thread(_held, probes, count, 10))
+            release.set()
             await asyncio.wait_for(task, 60)
 
         asyncio.run(asyncio.wait_for(scenario(), 200))
         dropped_at = time.monotonic()
         assert started[0] == count
-        assert sum(running_at_drop) >= count * 0.9, running_at_drop
+        assert sum(held_at_drop) >= count * 0.9, held_at_drop
         _wait_idle(probes, IDLE_WITHIN_S)
         assert time.monotonic() - dropped_at < IDLE_WITHIN_S + 1
     finally:

@@ -320,6 +320,10 @@ def test_prefix_affinity_sends_a_repeated_prompt_to_the_same_worker(
 
     async def main() -> None:
         async with started_pool([workers.a, workers.b], digest) as pool:
+            # Load counts the heartbeats' running requests, and a heartbeat can still show
+            # the last test's: the affinity would rightly give way to an idle worker then.
+            for address in (workers.a, workers.b):
+                await assert_worker_idle(pool, address, within_s=10)
             used, cached = set(), []
             for i in range(4):
                 # an unrelated request first, so plain least-load would alternate

@@ -3,8 +3,9 @@
 A CPU decode step reads every weight once, so its speed is memory bandwidth over weight
 bytes. The loader keeps, beside the dense fp32 weights, the GGUF file's own Q4_0/Q4_1/Q8_0
 blocks (4.5-8.5 bits a weight instead of 32), and a small C++ kernel (`csrc/gguf_gemv.cpp`,
-JIT-built once per machine) multiplies fp32 activations by them. It dequantizes each weight
-to exactly the fp32 value gguf's `dequantize` gives, so results differ from the dense path
+JIT-built once per machine) multiplies fp32 activations by them: a dot-product loop up to
+8 rows, a register-blocked outer-product loop past that. It dequantizes each weight to
+exactly the fp32 value gguf's `dequantize` gives, so results differ from the dense path
 only in summation order. Batches with more rows than `MAX_QUANTIZED_ROWS` (prefill) keep
 the dense fp32 GEMM.
 
@@ -42,10 +43,10 @@ SUPPORTED_TYPES: dict[int, int] = {
 
 # Rows up to which the kernel runs; more go to MKL's fp32 sgemm on the dense copy. Measured
 # with bench/gguf_gemv.py (1 thread, Sapphire Rapids, SmolLM2's shapes, weights cycling
-# through all 30 layers): the kernel is 2.9-4.8x faster at 1 row, 2.0-4.8x at 8, and at 32
-# rows 0.94x (o_proj, 576x576) to 1.44x (gate_up), 1.27x over a whole layer; at 48 rows a
-# layer is at parity and at 64 the dense GEMM wins on every shape.
-MAX_QUANTIZED_ROWS = 32
+# through all 30 layers): up to 8 rows the dot-product path is 1.7-4.9x faster than dense;
+# past 8 the outer-product path is 1.2-2.0x at 32 rows, 1.05-1.5x at 64, 1.03-1.16x at 96,
+# and at 128 rows o_proj, down and the LM head are slightly slower than dense.
+MAX_QUANTIZED_ROWS = 96
 
 # One extension module for all CPU kernels: gguf_gemv.cpp defines the module and registers
 # cpu_ops.cpp's functions (attention, KV write, RMSNorm; used through gpu_worker.cpu_ops).

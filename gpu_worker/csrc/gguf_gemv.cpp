@@ -244,11 +244,140 @@ void rows_avx512(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes,
   }
 }
 
+// ---- many rows: outer products over blocks dequantized once per 16 or 32 rows of x.
+//
+// The dot-product tiles above pass over W once per 8 rows of x, dequantizing every weight
+// again each time, loading one x vector per FMA and reducing every accumulator across its
+// lanes at the end. Past 8 rows, x is transposed to [K][M padded to 16] and the loop
+// becomes a BLAS-style micro-kernel: NR weight rows x 16V rows of x in registers, each
+// weight broadcast and multiplied into 16 x rows per FMA. A block of each of the NR rows is
+// dequantized into a 1.5 KiB buffer that stays in L1 (a whole tile of dequantized rows
+// lives in L2 and writing it cost as much as the FMAs); the 32 k-steps that follow read it.
+// Each output is still one fp32 FMA chain over k, as in the dot-product path.
+constexpr int64_t kDotRows = 8;  // the most rows the dot-product path takes
+constexpr int64_t kOuterRows = 48;  // weight rows per task unit: 2 x 24 or 4 x 12
+
+// Outputs n .. n+NR-1 for x rows m0 .. m0+16V-1 (those below M are stored). `q` is row
+// n's first quant byte (rows row_bytes apart), `sc` the NR rows' fp32 scales, nb apart.
+template <int QT, int NR, int V>
+inline void outer_tile(const uint8_t* q, int64_t row_bytes, const float* sc, int64_t nb,
+                       const float* xt, int64_t mp, int64_t m0, int64_t M, int64_t n,
+                       float* y, int64_t N, const float* bias) {
+  using F = Format<QT>;
+  __m512 acc[NR][V];
+#pragma GCC unroll 24
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+  alignas(64) float wb[NR][kBlock];
+  // The next NR rows' bytes (contiguous: rows are adjacent), fetched a slice per block so
+  // they arrive while this tile computes.
+  const uint8_t* ahead = q - nb * 2 * F::scales + NR * row_bytes;
+  const int64_t ahead_step = NR * row_bytes / nb;
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t line = 0; line < ahead_step; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + b * ahead_step + line), _MM_HINT_T0);
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* qr = q + r * row_bytes;
+      __m512 lo, hi;
+      dequant_block_avx512<QT>(sc + (r * nb + b) * F::scales, qr + b * F::quant_bytes, lo, hi);
+      _mm512_store_ps(wb[r], lo);
+      _mm512_store_ps(wb[r] + 16, hi);
+    }
+    const float* xk = xt + b * kBlock * mp + m0;
+    // Fully unrolled, or the accumulators live in memory instead of registers.
+    for (int kk = 0; kk < kBlock; ++kk, xk += mp) {
+      __m512 xv[V];
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) xv[v] = _mm512_loadu_ps(xk + 16 * v);
+#pragma GCC unroll 24
+      for (int r = 0; r < NR; ++r) {
+        const __m512 wv = _mm512_set1_ps(wb[r][kk]);
+#pragma GCC unroll 2
+        for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(wv, xv[v], acc[r][v]);
+      }
+    }
+  }
+  // Transposed through L1 so that each row of y gets its NR outputs in one contiguous
+  // write: storing them column by column hit the rows N floats apart NR times each, and
+  // when N * 4 is a multiple of 4 KiB (gate_up, the LM head) those rows all share one L1
+  // set and evict each other.
+  alignas(64) float lanes[16];
+  float out[16 * V][NR];
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < V; ++v) {
+      _mm512_store_ps(lanes, acc[r][v]);
+      for (int i = 0; i < 16; ++i) out[16 * v + i][r] = lanes[i];
+    }
+  const int64_t count = std::min<int64_t>(16 * V, M - m0);
+  for (int64_t i = 0; i < count; ++i) {
+    float* row = y + (m0 + i) * N + n;
+    for (int r = 0; r < NR; ++r) row[r] = out[i][r] + (bias ? bias[n + r] : 0.0f);
+  }
+}
+
+// Weight rows [n0, n0 + rows) against x rows m0 .. m0+16V-1.
+template <int QT, int V>
+void rows_outer(const uint8_t* w, int64_t row_bytes, const float* sc, int64_t nb, int64_t n0,
+                int64_t rows, const float* xt, int64_t mp, int64_t m0, int64_t M, float* y,
+                int64_t N, const float* bias) {
+  using F = Format<QT>;
+  // NR x V = 24 accumulators of the 32 registers; the rest hold x, the broadcast weight
+  // and the dequantization.
+  constexpr int NR = V == 2 ? 12 : 24;
+  const uint8_t* q = w + n0 * row_bytes + nb * 2 * F::scales;
+  const int64_t stride = nb * F::scales;
+  int64_t r = 0;
+  for (; r + NR <= rows; r += NR)
+    outer_tile<QT, NR, V>(q + r * row_bytes, row_bytes, sc + r * stride, nb, xt, mp, m0, M,
+                          n0 + r, y, N, bias);
+  for (; r + 4 <= rows; r += 4)
+    outer_tile<QT, 4, V>(q + r * row_bytes, row_bytes, sc + r * stride, nb, xt, mp, m0, M,
+                         n0 + r, y, N, bias);
+  for (; r < rows; ++r)
+    outer_tile<QT, 1, V>(q + r * row_bytes, row_bytes, sc + r * stride, nb, xt, mp, m0, M,
+                         n0 + r, y, N, bias);
+}
+
+template <int QT>
+void gemm_outer(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
+                int64_t N, float* y, const float* bias) {
+  const int64_t nb = K / kBlock;
+  const int64_t per_row = nb * Format<QT>::scales;
+  const int64_t mp = (M + 15) / 16 * 16;
+  std::vector<float> xt(K * mp, 0.0f);
+  // k outer: the writes run along xt's rows; the M reads are M short streams.
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t m = 0; m < M; ++m) xt[k * mp + m] = x[m * K + k];
+  const int64_t tiles = (N + kOuterRows - 1) / kOuterRows;
+  const int64_t grain = std::max<int64_t>(1, (256 << 10) / (kOuterRows * row_bytes));
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scales(kOuterRows * per_row);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * kOuterRows;
+      const int64_t rows = std::min(kOuterRows, N - n0);
+      convert_scales(w + n0 * row_bytes, row_bytes, rows, per_row, scales.data());
+      for (int64_t m0 = 0; m0 < M; m0 += 32) {
+        if (M - m0 > 16) {
+          rows_outer<QT, 2>(w, row_bytes, scales.data(), nb, n0, rows, xt.data(), mp, m0, M,
+                            y, N, bias);
+        } else {
+          rows_outer<QT, 1>(w, row_bytes, scales.data(), nb, n0, rows, xt.data(), mp, m0, M,
+                            y, N, bias);
+        }
+      }
+    }
+  });
+}
+
 #endif  // DUET_AVX512
 
 template <int QT>
 void gemm_typed(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
                 int64_t N, float* y, const float* bias, bool vector) {
+#ifdef DUET_AVX512
+  if (vector && M > kDotRows) return gemm_outer<QT>(x, M, K, w, row_bytes, N, y, bias);
+#endif
   const int64_t per_row = K / kBlock * Format<QT>::scales;
   const int64_t tiles = (N + kTileRows - 1) / kTileRows;
   // Split only where each task gets at least ~256 KiB of weights: below that the fork/join

@@ -271,7 +271,7 @@ inline void outer_tile(const uint8_t* q, int64_t row_bytes, const float* sc, int
     for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
   alignas(64) float wb[NR][kBlock];
   // The next NR rows' bytes (contiguous: rows are adjacent), fetched a slice per block so
-  // they arrive while this tile computes.
+  // they arrive while this tile computes (a prefetch past the last row does not fault).
   const uint8_t* ahead = q - nb * 2 * F::scales + NR * row_bytes;
   const int64_t ahead_step = NR * row_bytes / nb;
   for (int64_t b = 0; b < nb; ++b) {

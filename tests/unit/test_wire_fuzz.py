@@ -15,7 +15,6 @@ The smaller, hand-written cases live in test_protocol.py and test_worker_server.
 
 from __future__ import annotations
 
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -44,7 +43,7 @@ from shared.protocol import (
 )
 from shared.sampling import SamplingParams
 from shared.transport import make_dealer
-from tests.e2e.conftest import WorkerProcess, start_worker
+from tests.helpers.processes import WorkerProcess, start_worker, stop_worker
 from tests.integration.test_worker_server import PROMPT, Client
 from tests.unit.test_protocol import RENDER_MESSAGES, WORKER_MESSAGES
 
@@ -223,11 +222,7 @@ def fuzz_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProc
     log: Path = tmp_path_factory.mktemp("wire-fuzz") / "worker.log"
     worker = start_worker(log, ["--max-model-len", "512"])
     yield worker
-    worker.process.terminate()
-    try:
-        worker.process.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        worker.process.kill()
+    stop_worker(worker)
     text = log.read_text(errors="replace")
     assert "Traceback" not in text, text[-4000:]
 

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -67,8 +68,9 @@ def serve_processes(settings: RenderSettings) -> int:
     try:
         child_settings = settings.model_copy(update={"metrics_multiprocess_dir": metrics_dir})
         supervisor = _Supervisor(child_settings, listener)
-        announce(settings, listener.getsockname()[1], settings.processes)
-        return supervisor.run()
+        return supervisor.run(
+            on_started=lambda: announce(settings, listener.getsockname()[1], settings.processes)
+        )
     finally:
         listener.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
@@ -98,11 +100,15 @@ class _Supervisor:
         # rather than the handler means a child started meanwhile is never missed.
         self._signals: collections.deque[int] = collections.deque()
 
-    def run(self) -> int:
+    def run(self, on_started: Callable[[], None]) -> int:
+        """Serve until stopped; `on_started` runs once the children are started and a stop
+        signal would reach them (announcing earlier left a window where SIGTERM killed the
+        supervisor outright)."""
         handled = (signal.SIGTERM, signal.SIGINT)
         previous = {sig: signal.signal(sig, self._on_signal) for sig in handled}
         try:
             self._children = [self._spawn() for _ in range(self._count)]
+            on_started()
             return self._watch()
         finally:
             for sig, handler in previous.items():
@@ -139,7 +145,7 @@ class _Supervisor:
             if stopping:
                 if all(child.process.poll() is not None for child in self._children):
                     codes = [child.process.returncode for child in self._children]
-                    return 0 if all(code == 0 for code in codes) else 1
+                    return 0 if all(map(_stopped_cleanly, codes)) else 1
             elif (failed := self._replace_dead()) is not None:
                 return failed
             time.sleep(_POLL_S)
@@ -175,6 +181,12 @@ class _Supervisor:
                 child.process.wait()
 
 
+def _stopped_cleanly(returncode: int) -> bool:
+    """A child that drained and exited 0, or one the forwarded stop signal ended while it
+    was still starting (before it had handlers, or anything to drain)."""
+    return returncode in (0, -signal.SIGTERM, -signal.SIGINT)
+
+
 # ---- in a child ------------------------------------------------------------------------
 
 
@@ -195,10 +207,10 @@ def child_main() -> None:
     settings = RenderSettings.model_validate_json(os.environ.pop(_SETTINGS_ENV))
     listener = socket.socket(fileno=int(os.environ.pop(_LISTEN_FD_ENV)))
     configure_logging(settings)
-    app = build_app(settings)  # exits 2 on a bad model, tokenizer or template
     try:
+        app = build_app(settings)  # exits 2 on a bad model, tokenizer or template
         started = serve_app(settings, app, sockets=[listener])
-    except KeyboardInterrupt:  # the parent forwarded a SIGINT: a stop it asked for
+    except KeyboardInterrupt:  # the parent forwarded a SIGINT (maybe mid-startup): a stop
         return
     if not started:
         sys.exit(3)

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import re
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -19,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import start_render
 from tests.e2e.test_admission import MODEL, assert_sigterm_drains
-from tests.helpers.processes import ServerProcess, WorkerProcess, free_port, stop_server
+from tests.helpers.processes import ServerProcess, WorkerProcess, spawn_server, stop_server
 
 _ACCESS = re.compile(r'\[(\d+)\] uvicorn\.access: \S+ - "(\w+) (\S+) HTTP/1\.1" 200')
 
@@ -116,26 +114,20 @@ def test_sigterm_while_the_processes_are_starting_exits_0(
 ) -> None:
     """A stop that reaches the render processes before they serve (a deploy rolled back at
     once) is still a clean stop: exit 0, no traceback."""
-    log_path = tmp_path / "render.log"
-    command = [
-        sys.executable, "-m", "render_server.cli", "--port", str(free_port()),
-        "--processes", "2", "--worker", worker_a.address,
-    ]  # fmt: skip
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    render = spawn_server(["--processes", "2", "--worker", worker_a.address], tmp_path / "r.log")
     try:
         deadline = time.monotonic() + 60
-        while log_path.read_text(errors="replace").count("started render process") < 2:
-            assert process.poll() is None, log_path.read_text(errors="replace")
+        while render.log().count("started render process") < 2:
+            assert render.process.poll() is None, render.log()
             assert time.monotonic() < deadline, "the render processes were never started"
             time.sleep(0.02)
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(30) == 0, log_path.read_text(errors="replace")
+        render.process.send_signal(signal.SIGTERM)
+        assert render.process.wait(30) == 0, render.log()
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    text = log_path.read_text(errors="replace")
+        if render.process.poll() is None:
+            render.process.kill()
+            render.process.wait()
+    text = render.log()
     assert "Traceback" not in text, text
     # Loading the tokenizer takes seconds: the stop came while at least one was starting.
     assert text.count("Application startup complete") < 2, text

@@ -75,16 +75,11 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")
 
 
-def start_server(
-    args: list[str],
-    log_path: Path,
-    *,
-    ready_path: str = "/health",
-    env: Mapping[str, str] | None = None,
-    startup_s: float = SERVER_STARTUP_S,
+def spawn_server(
+    args: list[str], log_path: Path, env: Mapping[str, str] | None = None
 ) -> ServerProcess:
-    """Start render-serve with `args` on a free port and wait (bounded) until `ready_path`
-    answers 200. `env` adds variables on top of the test's environment less DUET_*."""
+    """Start render-serve with `args` on a free port without waiting for it. `env` adds
+    variables on top of the test's environment less DUET_*."""
     port = free_port()
     command = [sys.executable, "-m", "render_server.cli", "--port", str(port), *args]
     # DUET_* settings of whoever runs the tests must not change what the server is told.
@@ -94,7 +89,20 @@ def start_server(
         process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, env={**clean, **(env or {})}
         )
-    server = ServerProcess(process, port, log_path)
+    return ServerProcess(process, port, log_path)
+
+
+def start_server(
+    args: list[str],
+    log_path: Path,
+    *,
+    ready_path: str = "/health",
+    env: Mapping[str, str] | None = None,
+    startup_s: float = SERVER_STARTUP_S,
+) -> ServerProcess:
+    """`spawn_server`, then wait (bounded) until `ready_path` answers 200."""
+    server = spawn_server(args, log_path, env)
+    process = server.process
     deadline = time.monotonic() + startup_s
     while time.monotonic() < deadline:
         try:

@@ -134,12 +134,6 @@ class RotaryEmbedding(nn.Module):
         self.cos_cache = torch.cat((cos, cos), dim=-1)
         self.sin_cache = torch.cat((-sin, sin), dim=-1)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[num_tokens] -> cos, sin [num_tokens, 1, head_dim], broadcasting over heads."""
-        cos = self.cos_cache.index_select(0, positions)
-        sin = self.sin_cache.index_select(0, positions)
-        return cos[:, None, :], sin[:, None, :]
-
 
 class Attention(nn.Module):
     """Self-attention with a fused QKV projection and grouped KV heads."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.layer_ops import apply_rotary
+from gpu_worker.layer_ops import TorchLayerOps, apply_rotary
 from gpu_worker.loader import ModelConfig, RopeScaling
 from gpu_worker.models.llama import RotaryEmbedding
 from kernels.rotary import rotary_embedding, rotary_embedding_ref
@@ -60,9 +60,9 @@ def test_rotary_matches_model(device, dtype, num_heads, num_kv_heads, head_dim):
     q = random_tensor(num_tokens, num_heads, head_dim, dtype=dtype, device=device)
     k = random_tensor(num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device, seed=2)
     q_out, k_out = rotary_embedding(q, k, positions, rope.cos_cache, rope.sin_cache)
-    cos, sin = rope(positions)
-    _assert_close(q_out, apply_rotary(q, cos, sin), dtype)
-    _assert_close(k_out, apply_rotary(k, cos, sin), dtype)
+    tables = TorchLayerOps().rotary_tables(positions, rope.cos_cache, rope.sin_cache)
+    _assert_close(q_out, apply_rotary(q, tables.cos, tables.sin), dtype)
+    _assert_close(k_out, apply_rotary(k, tables.cos, tables.sin), dtype)
     q_ref, k_ref = rotary_embedding_ref(q, k, positions, rope.cos_cache, rope.sin_cache)
     _assert_close(q_out, q_ref, dtype)
     _assert_close(k_out, k_ref, dtype)

@@ -437,16 +437,19 @@ def _write_kernel_applies(
         and kv_cache.is_contiguous()
         and slot_mapping.dtype == torch.int64
         and slot_mapping.is_contiguous()
-        and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (k, v))
+        and _rows_dense(k)
+        and _rows_dense(v)
     )
 
 
+def _rows_dense(t: torch.Tensor) -> bool:
+    """Each row's [heads, head_dim] is dense, though rows may be strided (views of the
+    fused QKV output): the layout the CPU kernels read."""
+    return t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]
+
+
 def _rows_contiguous(q: torch.Tensor) -> torch.Tensor:
-    """The kernel allows strided rows (q is a view of the fused QKV output) but wants each
-    row's [heads, head_dim] dense."""
-    if q.stride(-1) == 1 and q.stride(-2) == q.shape[-1]:
-        return q
-    return q.contiguous()
+    return q if _rows_dense(q) else q.contiguous()
 
 
 def _gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

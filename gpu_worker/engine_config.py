@@ -38,8 +38,9 @@ class EngineConfig:
     cuda_graph_max_batch_size: int | None = None
     """Largest decode batch captured in a graph; default min(max_num_seqs, 512)."""
     cpu_gguf_kernels: bool = True
-    """fp32 on CPU from a GGUF file: batches of up to 32 rows multiply on the file's 4-8 bit
-    blocks (same weight values, ~5x fewer bytes per step) instead of dense fp32 weights."""
+    """fp32 on CPU from a GGUF file: decode-sized batches (up to
+    `gguf_linear.MAX_QUANTIZED_ROWS` rows) multiply on the file's 4-8 bit blocks (same
+    weight values, ~5x fewer bytes per step) instead of dense fp32 weights."""
     enable_prefix_caching: bool = True
     """Share full KV blocks between requests with the same prefix."""
     max_waiting: int = 4096

@@ -56,26 +56,28 @@ def _quantize(
     return QuantizedWeight.from_gguf(blocks, int(qtype), w.shape), reference
 
 
-@pytest.mark.parametrize("vector", [True, False], ids=["avx512", "scalar"])
+@pytest.fixture(params=[True, False], ids=["avx512", "scalar"])
+def vector(request: pytest.FixtureRequest, ext: ModuleType) -> bool:
+    """Each kernel path in turn; the AVX-512 one only where the build has it."""
+    if request.param and not ext.has_vector_path():
+        pytest.skip("built without the AVX-512 path")
+    return request.param
+
+
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
 def test_dequantized_weights_are_ggufs_bit_for_bit(
     ext: ModuleType, qtype: gguf.GGMLQuantizationType, vector: bool
 ) -> None:
-    if vector and not ext.has_vector_path():
-        pytest.skip("built without the AVX-512 path")
     w = _weights(45, 160, seed=int(qtype))
     quantized, reference = _quantize(w, qtype)
     ours = ext.dequantize(quantized.data, quantized.qtype, quantized.k, vector).numpy()
     assert ours.view(np.uint32).tolist() == reference.view(np.uint32).tolist()
 
 
-@pytest.mark.parametrize("vector", [True, False], ids=["avx512", "scalar"])
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
 def test_gemm_matches_float64_reference(
     ext: ModuleType, qtype: gguf.GGMLQuantizationType, vector: bool
 ) -> None:
-    if vector and not ext.has_vector_path():
-        pytest.skip("built without the AVX-512 path")
     gen = torch.Generator().manual_seed(0)
     # N: below one 4-row tile, not a multiple of 16, several tiles. M: the dot-product
     # path (up to 8), then the outer-product one (16 and 32 rows a pass, and remainders).

@@ -29,7 +29,6 @@ import os
 import platform
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from results_md import write_section
+from results_md import command_line, write_section
 
 from gpu_worker import Engine
 from render_server.chat_template import ChatRenderer
@@ -403,7 +402,7 @@ def main() -> None:
     print("\n".join(table))
     if args.no_write:
         return
-    command = " ".join(["python bench/engine.py", *sys.argv[1:]])
+    command = command_line()
     body = "\n".join(
         [
             "## engine",

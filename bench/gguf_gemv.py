@@ -27,7 +27,7 @@ import gguf
 import numpy as np
 import torch
 import torch.nn.functional as F
-from results_md import write_section
+from results_md import command_line, write_section
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -128,7 +128,7 @@ def main() -> None:
             print(rows[-1], flush=True)
     if args.no_write:
         return
-    command = " ".join(["python bench/gguf_gemv.py", *sys.argv[1:]])
+    command = command_line()
     body = "\n".join(
         [
             "## gguf_gemv",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
@@ -22,3 +23,8 @@ def write_section(name: str, body: str) -> None:
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
     RESULTS.write_text(text)
+
+
+def command_line() -> str:
+    """How this benchmark was run, as RESULTS.md quotes it: `python bench/<script> <args>`."""
+    return " ".join(["python", f"bench/{Path(sys.argv[0]).name}", *sys.argv[1:]])

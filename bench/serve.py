@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from results_md import command_line
 from serve_data import BenchRequest, chat_requests, random_requests
 from serve_figures import (
     capacity_markdown,
@@ -37,7 +38,7 @@ from serve_figures import (
     write_results_section,
 )
 from serve_load import open_loop, parse_goodput, run_coroutine, summarize
-from serve_report import RESULTS_DIR, command_line, machine_line, plot, save_json, sweep_table
+from serve_report import RESULTS_DIR, machine_line, plot, save_json, sweep_table
 from serve_servers import launch, served_model
 
 # ---- a sweep -------------------------------------------------------------------------

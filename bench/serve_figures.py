@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import psutil
-from results_md import write_section
+from results_md import command_line, write_section
 from serve_data import BenchRequest, random_requests
 from serve_load import (
     busy_seconds,
@@ -23,7 +23,7 @@ from serve_load import (
     summarize,
     summarize_window,
 )
-from serve_report import RESULTS_DIR, command_line, fmt, machine_line, plot
+from serve_report import RESULTS_DIR, fmt, machine_line, plot
 from serve_servers import BENCH_DIR, Launched, launch, served_model
 
 # ---- figure 1: frontend tax ----------------------------------------------------------

@@ -90,9 +90,5 @@ def save_json(path: Path, payload: dict) -> None:
     path.write_text(json.dumps(_plain_json(payload), indent=2, allow_nan=False) + "\n")
 
 
-def command_line() -> str:
-    return "python bench/serve.py " + " ".join(sys.argv[1:])
-
-
 def machine_line() -> str:
     return f"Python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} cores"

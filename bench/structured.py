@@ -24,12 +24,11 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 
 import torch
-from results_md import write_section
+from results_md import command_line, write_section
 
 from gpu_worker import Engine
 from render_server.chat_template import ChatRenderer
@@ -199,7 +198,7 @@ def main() -> None:
     print("\n".join(table))
     if args.no_write:
         return
-    command = "python bench/structured.py " + " ".join(sys.argv[1:])
+    command = command_line()
     body = "\n".join(
         [
             "## structured",

@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from typing import Any
 
 import httpx
 from results_md import write_section
+from subprocesses import free_port, wait_http_ok
 
 from render_server.chat_template import ChatRenderer
 from render_server.tokenizer import Tokenizer
@@ -121,12 +121,6 @@ INPUTS: dict[str, Callable[[int], list[dict[str, str]]]] = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _body(fresh_final_message: bool) -> str:
     chat = new_final_message(0) if fresh_final_message else CHAT
     if fresh_final_message:
@@ -208,7 +202,7 @@ async def _httpx_load(url: str, concurrency: int, seconds: float, body: str) -> 
 
 def run_http(cases: list[tuple[int, bool]], seconds: float) -> dict[tuple[int, bool], Timing]:
     """Timing per (concurrency, new final message per request) against one server."""
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "render_server.cli", "--port", str(port), "--render-only"]
         + ["--log-level", "warning"],
@@ -216,16 +210,8 @@ def run_http(cases: list[tuple[int, bool]], seconds: float) -> dict[tuple[int, b
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise RuntimeError("render-serve did not start")
-            time.sleep(0.1)
+        if not wait_http_ok(f"{url}/health", server, timeout_s=120, poll_s=0.1):
+            raise RuntimeError("render-serve did not start")
         headers = {"content-type": "application/json"}
         for _ in range(50):  # warm-up (compiled template, caches, connections)
             httpx.post(f"{url}/tokenize", content=_body(False), headers=headers).raise_for_status()

@@ -4,12 +4,9 @@ and a render-serve in front of it, started and stopped as subprocesses."""
 from __future__ import annotations
 
 import os
-import select
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+from subprocesses import free_port, stop, wait_http_ok, wait_ready_line
 
 BENCH_DIR = Path(__file__).parent
 
@@ -37,36 +35,6 @@ class Launched:
         }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_ready_line(process: subprocess.Popen, marker: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        readable, _, _ = select.select([process.stdout], [], [], 1.0)
-        if not readable:
-            continue
-        line = process.stdout.readline()
-        if marker in line:
-            return
-        if not line and process.poll() is not None:
-            break
-    raise RuntimeError(f"the worker did not print {marker!r} (exit code {process.poll()})")
-
-
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 @contextmanager
 def launch(
     kind: str, *, worker_args: list[str], itl_ms: float = 10.0, torch_threads: int | None = None
@@ -77,7 +45,7 @@ def launch(
     if torch_threads is not None:
         env["OMP_NUM_THREADS"] = str(torch_threads)  # torch's intra-op thread count
     logs = Path(tempfile.mkdtemp(prefix="duet-bench-"))
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     if kind == "real":
         command = [sys.executable, "-m", "gpu_worker.cli", "--bind", address, "--device", "cpu"]
         command += ["--kv-cache-memory-gb", "0.5", "--log-level", "warning", *worker_args]
@@ -93,8 +61,9 @@ def launch(
     )
     render = None
     try:
-        _wait_ready_line(worker, "ready on", timeout_s=300)
-        port = _free_port()
+        if not wait_ready_line(worker, "ready on", timeout_s=300):
+            raise RuntimeError(f"the worker did not print 'ready on' (exit code {worker.poll()})")
+        port = free_port()
         render = subprocess.Popen(
             [sys.executable, "-m", "render_server.cli", "--port", str(port)]
             + ["--worker", address, "--log-level", "warning"],
@@ -102,21 +71,13 @@ def launch(
             stderr=(logs / "render.log").open("w"),
         )
         base_url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{base_url}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline or render.poll() is not None:
-                raise RuntimeError(f"render-serve did not become ready; see {logs}")
-            time.sleep(0.2)
+        if not wait_http_ok(f"{base_url}/ready", render, timeout_s=120, poll_s=0.2):
+            raise RuntimeError(f"render-serve did not become ready; see {logs}")
         yield Launched(base_url, render, worker)
     finally:
         if render is not None:
-            _stop(render)
-        _stop(worker)
+            stop(render, timeout_s=15)
+        stop(worker, timeout_s=15)
 
 
 def served_model(base_url: str) -> str:

@@ -28,8 +28,6 @@ import json
 import os
 import platform
 import random
-import select
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +42,7 @@ from pathlib import Path
 import httpx
 import zmq
 from results_md import write_section
+from subprocesses import free_port, stop, wait_http_ok, wait_ready_line
 
 from shared.protocol import Encoder, Heartbeat, Hello, WorkerMessageDecoder, WorkerStats
 from shared.transport import make_dealer
@@ -55,22 +54,6 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 # ---- processes ------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 def start_worker(log: Path, args: list[str], threads: int) -> tuple[subprocess.Popen, str]:
     """A CPU gpu-worker on a free loopback port; returns it once it says it is ready."""
     address = f"tcp://127.0.0.1:{free_port()}"
@@ -80,16 +63,9 @@ def start_worker(log: Path, args: list[str], threads: int) -> tuple[subprocess.P
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=log.open("w"), text=True, env=env, cwd=REPO
     )
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        readable, _, _ = select.select([process.stdout], [], [], 1.0)
-        if readable:
-            line = process.stdout.readline()
-            if line.startswith("gpu-worker ready on"):
-                process.stdout.close()  # nothing else is read; never let a pipe fill
-                return process, address
-            if not line and process.poll() is not None:
-                break
+    if wait_ready_line(process, "gpu-worker ready on", timeout_s=300):
+        process.stdout.close()  # nothing else is read; never let a pipe fill
+        return process, address
     stop(process)
     raise RuntimeError(f"gpu-worker did not start; see {log}")
 
@@ -106,14 +82,8 @@ def start_render(log: Path, workers: list[str], args: list[str]) -> tuple[subpro
         command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=REPO
     )
     base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if httpx.get(f"{base_url}/ready", timeout=1).status_code == 200:
-                return process, base_url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
+    if wait_http_ok(f"{base_url}/ready", process, timeout_s=180, poll_s=0.2):
+        return process, base_url
     stop(process)
     raise RuntimeError(f"render-serve did not become ready; see {log}")
 

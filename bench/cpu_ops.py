@@ -1,4 +1,4 @@
-"""duet's CPU kernels (gpu_worker/csrc/cpu_ops.cpp) against the torch paths they replace.
+"""duet's CPU kernels (gpu_worker/ops/csrc/cpu_ops.cpp) against the torch paths they replace.
 
     python bench/cpu_ops.py [--threads 1] [--repeats 15] [--no-write]
 
@@ -27,8 +27,9 @@ from results_md import write_section
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_worker import attention, cpu_ops  # noqa: E402
-from gpu_worker.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
+from gpu_worker.attention import torch_backend as attention  # noqa: E402
+from gpu_worker.attention.torch_backend import AttentionMetadata, TorchAttentionBackend  # noqa: E402
+from gpu_worker.ops import cpu_ops  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, LAYERS, BLOCK = 9, 3, 64, 576, 30, 16
 EPS = 1e-5

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from results_md import write_section
 
-from render_server.detokenizer import _HAS_DECODE_STREAM, IncrementalDetokenizer
-from render_server.tokenizer import Tokenizer
+from render_server.generation.detokenizer import _HAS_DECODE_STREAM, IncrementalDetokenizer
+from render_server.templating.tokenizer import Tokenizer
 from shared.model_source import DEFAULT_MODEL, resolve_model
 
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "data" / "tokenizer_corpus.json"

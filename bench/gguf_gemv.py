@@ -1,4 +1,4 @@
-"""The GGUF CPU kernel (gpu_worker/csrc/gguf_gemv.cpp) against dense fp32 `F.linear`.
+"""The GGUF CPU kernel (gpu_worker/ops/csrc/gguf_gemv.cpp) against dense fp32 `F.linear`.
 
     python bench/gguf_gemv.py [--threads 1] [--rows 1 2 4 8 16 32] [--no-write]
 
@@ -31,7 +31,7 @@ from results_md import command_line, write_section
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_worker.gguf_linear import QuantizedWeight, load_extension  # noqa: E402
+from gpu_worker.ops.gguf_linear import QuantizedWeight, load_extension  # noqa: E402
 from shared.model_source import DEFAULT_MODEL, resolve_model  # noqa: E402
 
 FUSED = {

@@ -284,8 +284,8 @@ def bench_engine(
     from engine import build_workload
 
     from gpu_worker import Engine
-    from render_server.chat_template import ChatRenderer
-    from render_server.tokenizer import Tokenizer
+    from render_server.templating.chat_template import ChatRenderer
+    from render_server.templating.tokenizer import Tokenizer
     from shared.model_source import DEFAULT_MODEL, resolve_model
     from shared.sampling import SamplingParams
 

@@ -34,8 +34,8 @@ import httpx
 from results_md import write_section
 from subprocesses import free_port, wait_http_ok
 
-from render_server.chat_template import ChatRenderer
-from render_server.tokenizer import Tokenizer
+from render_server.templating.chat_template import ChatRenderer
+from render_server.templating.tokenizer import Tokenizer
 from shared.model_source import DEFAULT_MODEL, resolve_model
 
 CHAT = [

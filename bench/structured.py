@@ -31,8 +31,8 @@ import torch
 from results_md import command_line, write_section
 
 from gpu_worker import Engine
-from render_server.chat_template import ChatRenderer
-from render_server.tokenizer import Tokenizer
+from render_server.templating.chat_template import ChatRenderer
+from render_server.templating.tokenizer import Tokenizer
 from shared.model_source import DEFAULT_MODEL, resolve_model
 from shared.protocol import Constraint, Generate
 from shared.sampling import SamplingParams

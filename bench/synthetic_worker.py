@@ -253,7 +253,7 @@ def _merge_into(pending: dict[str, RequestDelta], request_id: str, new: RequestD
 
 def build_model_card(model: str) -> tuple[ModelCard, list[int]]:
     """The card a real worker of `model` would send, and the token ids to cycle."""
-    from render_server.tokenizer import Tokenizer
+    from render_server.templating.tokenizer import Tokenizer
 
     source = resolve_model(model)
     tokenizer = Tokenizer.from_source(source)

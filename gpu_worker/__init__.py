@@ -8,14 +8,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gpu_worker.engine import Completion, Engine
+    from gpu_worker.engine.engine import Completion, Engine
 
 __all__ = ["Completion", "Engine"]
 
 
 def __getattr__(name: str) -> object:
     if name in __all__:
-        from gpu_worker import engine
+        from gpu_worker.engine import engine
 
         return getattr(engine, name)
     raise AttributeError(f"module 'gpu_worker' has no attribute {name!r}")

@@ -8,7 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
-from gpu_worker.engine_config import EngineConfig
+from gpu_worker.engine.config import EngineConfig
 from shared.model_source import DEFAULT_MODEL, ModelNotFoundError
 
 DEFAULT_BIND = "tcp://127.0.0.1:5555"
@@ -117,9 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     config = config_from_args(args)
     # Heavy imports after argument parsing, so `--help` is instant.
-    from gpu_worker.device import Nvml
-    from gpu_worker.engine import Engine
-    from gpu_worker.server import WorkerServer
+    from gpu_worker.engine.engine import Engine
+    from gpu_worker.runner.device import Nvml
+    from gpu_worker.server.zmq_server import WorkerServer
 
     try:
         engine = Engine(**vars(config))

@@ -13,7 +13,6 @@ import os
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,57 +23,16 @@ from gguf.gguf_reader import ReaderTensor
 from safetensors import safe_open
 from torch import nn
 
-from gpu_worker.attention import AttentionBackend, TorchAttentionBackend
-from gpu_worker.gguf_linear import (
+from gpu_worker.attention.torch_backend import AttentionBackend, TorchAttentionBackend
+from gpu_worker.models import get_model_class
+from gpu_worker.models.config import ModelConfig, RopeScaling
+from gpu_worker.ops.gguf_linear import (
     QuantizedWeight,
     gguf_quantized_weights,
     quantized_kernels_available,
 )
-from gpu_worker.layer_ops import LayerOps
-from gpu_worker.models import get_model_class
+from gpu_worker.ops.layer_ops import LayerOps
 from shared.model_source import ModelSource
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """llama3-style rope scaling (the only kind the Llama family here needs)."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Shape and numerics of a decoder-only model, whatever file it came from."""
-
-    architecture: str
-    """HF class name (`LlamaForCausalLM`) or GGUF architecture (`llama`, `qwen2`)."""
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    rope_scaling: RopeScaling | None = None
-    """llama3 rope scaling from config.json; None for plain rope."""
-    rope_freq_factors: tuple[float, ...] | None = None
-    """Per-pair rope divisors from a GGUF `rope_freqs` tensor (llama.cpp's llama3 scaling)."""
-    attention_bias: bool = False
-    """Bias on the q/k/v projections (Qwen2)."""
-    attention_out_bias: bool = False
-    """Bias on the output projection (Llama with `attention_bias: true`)."""
-    sliding_window: int | None = None
-    """Mistral v0.1's window; not applied by attention, so the engine caps max_model_len."""
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-
 
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
@@ -322,7 +280,7 @@ def load_model(
     model.load_weights(weights)
     model.build_caches(device)
     if source.kind == "gguf" and gguf_kernels and quantized_kernels_available(device, dtype):
-        # fp32 on CPU: decode reads the file's 4-8 bit blocks instead (gpu_worker.gguf_linear).
+        # fp32 on CPU: decode reads the file's 4-8 bit blocks instead (gpu_worker.ops.gguf_linear).
         model.attach_quantized(gguf_block_weights(reader, config))
     model.eval().requires_grad_(False)
     return model, config

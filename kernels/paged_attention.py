@@ -11,7 +11,8 @@ so sequences of different lengths in one batch all use every split they can. The
 only on tensor shapes, never on their contents: the launcher is safe to capture in a CUDA graph
 (after a warm-up call per shape, which on a GPU also runs the autotuner).
 
-KV cache layout (gpu_worker/attention.py): `[2, num_blocks, block_size, num_kv_heads, head_dim]`,
+KV cache layout (gpu_worker/attention/torch_backend.py):
+`[2, num_blocks, block_size, num_kv_heads, head_dim]`,
 0 = keys, 1 = values; token `t` of a sequence sits in block `block_table[t // block_size]`
 at offset `t % block_size`.
 """

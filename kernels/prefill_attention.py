@@ -227,7 +227,8 @@ def paged_prefill_attention(
     sequence's cached prefix and its own new tokens, all read from `kv_cache`.
 
     `query_start_loc` `[num_seqs + 1]`, `seq_lens` and `context_lens` `[num_seqs]` follow
-    `gpu_worker.attention.AttentionMetadata` (seq_lens[i] = context_lens[i] + query length).
+    `gpu_worker.attention.torch_backend.AttentionMetadata`
+    (seq_lens[i] = context_lens[i] + query length).
     `max_query_len` only picks the tile size; any value gives correct results. Returns a new
     contiguous tensor shaped like q.
     """

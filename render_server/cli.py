@@ -350,8 +350,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     settings = parse_settings(argv)
     configure_logging(settings)
     # Imported here so `render-serve --help` stays instant.
-    from render_server.embedded import EmbeddedWorker, EmbeddedWorkerError
-    from render_server.templates import read_chat_template
+    from render_server.templating.templates import read_chat_template
+    from render_server.worker_client.embedded import EmbeddedWorker, EmbeddedWorkerError
     from shared.model_source import resolve_model
 
     embedded: EmbeddedWorker | None = None
@@ -392,8 +392,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def build_app(settings: RenderSettings) -> FastAPI:
     """The app; a bad model, tokenizer or template exits 2 with the reason."""
-    from render_server.app import create_app
-    from render_server.tokenizer import TokenizerLoadError
+    from render_server.http.app import create_app
+    from render_server.templating.tokenizer import TokenizerLoadError
 
     try:
         return create_app(settings)

@@ -15,8 +15,8 @@ from typing import Annotated, Literal
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from render_server.discovery import parse_host_port
-from render_server.routing import RoutingMode
+from render_server.worker_client.discovery import parse_host_port
+from render_server.worker_client.routing import RoutingMode
 from shared.model_source import DEFAULT_MODEL
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
@@ -195,7 +195,7 @@ class RenderSettings(BaseSettings):
     @field_validator("tool_call_parser")
     @classmethod
     def _known_tool_parser(cls, value: str | None) -> str | None:
-        from render_server.tool_parsers import TOOL_PARSERS
+        from render_server.parsing.tool_parsers import TOOL_PARSERS
 
         if value is not None and value not in TOOL_PARSERS:
             raise ValueError(f"unknown tool call parser {value!r}; known: {sorted(TOOL_PARSERS)}")
@@ -204,7 +204,7 @@ class RenderSettings(BaseSettings):
     @field_validator("reasoning_parser")
     @classmethod
     def _known_reasoning_parser(cls, value: str | None) -> str | None:
-        from render_server.reasoning import REASONING_PARSERS
+        from render_server.parsing.reasoning import REASONING_PARSERS
 
         if value is not None and value not in REASONING_PARSERS:
             raise ValueError(

@@ -15,7 +15,8 @@ class ModelCard(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model_id: str
     """The id clients pass as `model`."""
     tokenizer_digest: str
-    """Hex SHA-256 of the canonical tokenizer JSON (render_server.tokenizer computes it)."""
+    """Hex SHA-256 of the canonical tokenizer JSON (computed by
+    render_server.templating.tokenizer)."""
     vocab_size: int
     """Rows of the embedding / logits; every token id is below this."""
     eos_token_ids: list[int]

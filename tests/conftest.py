@@ -31,8 +31,8 @@ def smollm2_source() -> ModelSource:
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_source: ModelSource) -> Any:
-    """duet's Tokenizer for the default model (render_server.tokenizer.Tokenizer)."""
-    from render_server.tokenizer import Tokenizer
+    """duet's Tokenizer for the default model (render_server.templating.tokenizer.Tokenizer)."""
+    from render_server.templating.tokenizer import Tokenizer
 
     return Tokenizer.from_source(smollm2_source)
 

@@ -10,22 +10,20 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.attention import AttentionBackend, AttentionMetadata
-from gpu_worker.gguf_linear import QuantizedWeight
-from gpu_worker.layer_ops import LayerOps, RotaryTables, TorchLayerOps
-
-if TYPE_CHECKING:  # the loader imports this module, so only the type crosses back
-    from gpu_worker.loader import ModelConfig
+from gpu_worker.attention.torch_backend import AttentionBackend, AttentionMetadata
+from gpu_worker.models.config import ModelConfig
+from gpu_worker.ops.gguf_linear import QuantizedWeight
+from gpu_worker.ops.layer_ops import LayerOps, RotaryTables, TorchLayerOps
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm; the arithmetic is the layer ops' (`gpu_worker.layer_ops`)."""
+    """Root-mean-square layer norm; the arithmetic is the layer ops'
+    (`gpu_worker.ops.layer_ops`)."""
 
     def __init__(self, dim: int, eps: float, ops: LayerOps | None = None) -> None:
         super().__init__()

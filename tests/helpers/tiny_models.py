@@ -17,8 +17,8 @@ import torch
 import transformers
 from torch import nn
 
-from gpu_worker.attention import AttentionMetadata, allocate_kv_caches
-from gpu_worker.loader import ModelConfig
+from gpu_worker.attention.torch_backend import AttentionMetadata, allocate_kv_caches
+from gpu_worker.models.config import ModelConfig
 
 Family = Literal["llama", "qwen2", "mistral"]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import zmq.auth
 
-from render_server.workers import WorkerError, WorkerPool
+from render_server.worker_client.pool import WorkerError, WorkerPool
 from shared.curve import generate, render_keys
 from shared.tokenizer_digest import tokenizer_digest
 from tests.helpers.processes import SMALL_WORKER, start_worker, stop_worker

@@ -11,9 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
-from render_server.api.deps import RenderState
-from render_server.app import create_app
-from render_server.metrics import RenderMetrics
+from render_server.http.api.deps import RenderState
+from render_server.http.app import create_app
+from render_server.http.metrics import RenderMetrics
 from render_server.settings import RenderSettings
 
 CHAT = [{"role": "user", "content": "hi"}]

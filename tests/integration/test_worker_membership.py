@@ -3,7 +3,7 @@ workers join while serving, and a removed one finishes its streams before it is 
 
 from __future__ import annotations
 
-from render_server.workers import WorkerPool
+from render_server.worker_client.pool import WorkerPool
 from shared.protocol import Deltas, RequestDelta
 from tests.integration.test_workers_client import (
     FAKE_CARD,

@@ -1,4 +1,5 @@
-"""render_server.workers against real gpu-worker processes (and a fake ROUTER) on loopback.
+"""render_server.worker_client.pool against real gpu-worker processes (and a fake ROUTER) on
+loopback.
 
 Two workers start once for the module. Each test drives its own WorkerPool inside
 `asyncio.run`, so no pytest-asyncio is needed; every pool is closed before the test ends.
@@ -22,7 +23,7 @@ from typing import Any, TypeVar
 import pytest
 import zmq
 
-from render_server.workers import RequestStream, WorkerError, WorkerPool
+from render_server.worker_client.pool import RequestStream, WorkerError, WorkerPool
 from shared.model_card import ModelCard
 from shared.protocol import (
     MAGIC,

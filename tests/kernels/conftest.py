@@ -19,7 +19,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from gpu_worker.attention import AttentionMetadata  # noqa: E402
+from gpu_worker.attention.torch_backend import AttentionMetadata  # noqa: E402
 
 ON_CUDA = torch.cuda.is_available()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.attention import TorchAttentionBackend
+from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from kernels.cache_ops import write_kv_cache, write_kv_cache_ref
 from tests.kernels.conftest import random_tensor
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from gpu_worker import Engine
-from gpu_worker.attention import AttentionMetadata, allocate_kv_caches
-from gpu_worker.cuda_graphs import DecodeGraphRunner, batch_size_buckets
+from gpu_worker.attention.torch_backend import AttentionMetadata, allocate_kv_caches
+from gpu_worker.attention.triton_backend import TritonAttentionBackend
 from gpu_worker.loader import load_model
-from gpu_worker.triton_backend import TritonAttentionBackend
+from gpu_worker.runner.cuda_graphs import DecodeGraphRunner, batch_size_buckets
 from shared.model_source import resolve_model
 from shared.sampling import SamplingParams
 
@@ -160,8 +160,8 @@ CHAT = [
 
 
 def _chat_prompts() -> list[list[int]]:
-    from render_server.chat_template import ChatRenderer
-    from render_server.tokenizer import Tokenizer
+    from render_server.templating.chat_template import ChatRenderer
+    from render_server.templating.tokenizer import Tokenizer
 
     source = resolve_model("SmolLM2-135M-Instruct")
     tokenizer = Tokenizer.from_source(source)

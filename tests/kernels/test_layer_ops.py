@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.layer_ops import TorchLayerOps, TritonLayerOps, get_layer_ops
+from gpu_worker.ops.layer_ops import TorchLayerOps, TritonLayerOps, get_layer_ops
 from tests.kernels.conftest import ELEMENTWISE_TOL, random_tensor
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 96, 6, 2, 16

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.attention import AttentionMetadata, TorchAttentionBackend
+from gpu_worker.attention.torch_backend import AttentionMetadata, TorchAttentionBackend
 from kernels.cache_ops import write_kv_cache
 from kernels.prefill_attention import (
     choose_block_m,

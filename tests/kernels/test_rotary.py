@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.layer_ops import TorchLayerOps, apply_rotary
-from gpu_worker.loader import ModelConfig, RopeScaling
+from gpu_worker.models.config import ModelConfig, RopeScaling
 from gpu_worker.models.llama import RotaryEmbedding
+from gpu_worker.ops.layer_ops import TorchLayerOps, apply_rotary
 from kernels.rotary import rotary_embedding, rotary_embedding_ref
 from tests.kernels.conftest import ELEMENTWISE_TOL, random_tensor
 

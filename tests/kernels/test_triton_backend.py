@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.attention import AttentionMetadata, TorchAttentionBackend, allocate_kv_caches
-from gpu_worker.triton_backend import TritonAttentionBackend
+from gpu_worker.attention.torch_backend import (
+    AttentionMetadata,
+    TorchAttentionBackend,
+    allocate_kv_caches,
+)
+from gpu_worker.attention.triton_backend import TritonAttentionBackend
 
 
 def test_mixed_batch_matches_the_torch_backend() -> None:

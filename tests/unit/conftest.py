@@ -8,7 +8,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from gpu_worker.gguf_linear import load_extension
+from gpu_worker.ops.gguf_linear import load_extension
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from render_server.admission import Admission, AdmissionMiddleware
+from render_server.http.admission import Admission, AdmissionMiddleware
 
 
 def test_a_client_that_stops_reading_is_cut_off_and_the_stream_cancelled() -> None:

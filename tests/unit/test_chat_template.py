@@ -1,4 +1,5 @@
-"""render_server.chat_template against transformers' apply_chat_template, plus its budgets."""
+"""render_server.templating.chat_template against transformers' apply_chat_template, plus its
+budgets."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from render_server.chat_template import (
+from render_server.templating.chat_template import (
     ChatRenderer,
     ChatTemplateError,
     ChatTemplateTimeout,
@@ -19,7 +20,7 @@ from render_server.chat_template import (
     RenderedChat,
     RequestTemplateNotAllowed,
 )
-from render_server.tokenizer import Tokenizer
+from render_server.templating.tokenizer import Tokenizer
 from tests.conftest import DATA_DIR
 
 CASES: list[dict[str, Any]] = json.loads((DATA_DIR / "chat_conversations.json").read_text())

@@ -1,4 +1,4 @@
-"""duet's CPU kernels (gpu_worker/csrc/cpu_ops.cpp): paged decode attention against a
+"""duet's CPU kernels (gpu_worker/ops/csrc/cpu_ops.cpp): paged decode attention against a
 float64 reference, the KV write against index_copy_, RMSNorm against F.rms_norm, and the
 torch attention backend with and without them."""
 
@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_worker import attention, cpu_ops
-from gpu_worker.attention import AttentionMetadata, TorchAttentionBackend
+from gpu_worker.attention import torch_backend as attention
+from gpu_worker.attention.torch_backend import AttentionMetadata, TorchAttentionBackend
+from gpu_worker.ops import cpu_ops
 
 BLOCK = 16
 

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from render_server import detokenizer
-from render_server.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
-from render_server.tokenizer import Tokenizer
+from render_server.generation import detokenizer
+from render_server.generation.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
+from render_server.templating.tokenizer import Tokenizer
 from tests.conftest import DATA_DIR
 
 EXTRA = [

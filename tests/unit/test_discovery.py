@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from render_server.discovery import WorkerDiscovery, parse_host_port, resolve_tcp
+from render_server.worker_client.discovery import WorkerDiscovery, parse_host_port, resolve_tcp
 
 
 class RecordingPool:

@@ -89,7 +89,7 @@ def test_greedy_parity_with_transformers_in_one_batch(
 def test_first_step_logits_match_transformers(
     engine: Engine, chat_prompts: list[list[int]], hf_model: Any
 ) -> None:
-    from gpu_worker.attention import AttentionMetadata
+    from gpu_worker.attention.torch_backend import AttentionMetadata
 
     prompt = chat_prompts[0]
     with torch.inference_mode():

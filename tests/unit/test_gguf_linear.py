@@ -13,15 +13,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_worker import gguf_linear
-from gpu_worker.gguf_linear import (
+from gpu_worker.models.llama import Linear
+from gpu_worker.ops import gguf_linear
+from gpu_worker.ops.gguf_linear import (
     ENV_SWITCH,
     MAX_QUANTIZED_ROWS,
     QuantizedWeight,
     load_extension,
     quantized_kernels_available,
 )
-from gpu_worker.models.llama import Linear
 
 QTYPES = [
     gguf.GGMLQuantizationType.Q4_0,

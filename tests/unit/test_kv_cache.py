@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_worker.config import CacheConfig
-from gpu_worker.kv_cache import KVCacheManager
-from gpu_worker.sequence import Sequence
+from gpu_worker.engine.config import CacheConfig
+from gpu_worker.engine.kv_cache import KVCacheManager
+from gpu_worker.engine.sequence import Sequence
 from shared.hashing import prefix_block_hashes
 from shared.sampling import SamplingParams
 

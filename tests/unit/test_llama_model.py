@@ -11,14 +11,15 @@ import pytest
 import torch
 import transformers
 
-from gpu_worker.attention import (
+from gpu_worker.attention.torch_backend import (
     AttentionMetadata,
     TorchAttentionBackend,
     allocate_kv_caches,
     get_attention_backend,
 )
-from gpu_worker.loader import ModelConfig, RopeScaling, load_model
+from gpu_worker.loader import load_model
 from gpu_worker.models import MODEL_REGISTRY, LlamaForCausalLM
+from gpu_worker.models.config import ModelConfig, RopeScaling
 from gpu_worker.models.llama import rope_inv_freq
 from shared.model_source import resolve_model
 from tests.helpers.tiny_models import Family, PagedRunner, save_tiny_model
@@ -237,7 +238,7 @@ def test_torch_backend_matches_dense_attention(
 
 def test_attention_backend_registry() -> None:
     assert isinstance(get_attention_backend("torch"), TorchAttentionBackend)
-    from gpu_worker.triton_backend import TritonAttentionBackend
+    from gpu_worker.attention.triton_backend import TritonAttentionBackend
 
     assert isinstance(get_attention_backend("triton"), TritonAttentionBackend)
     with pytest.raises(ValueError, match="unknown attention backend"):

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from render_server.reasoning import (
+from render_server.parsing.reasoning import (
     REASONING_PARSERS,
     ReasoningDelta,
     ReasoningParser,

@@ -30,7 +30,7 @@ CHILD = textwrap.dedent(
     import httpx
     import uvicorn
 
-    from render_server.app import create_app
+    from render_server.http.app import create_app
     from render_server.settings import RenderSettings
 
     async def main():

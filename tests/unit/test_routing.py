@@ -1,10 +1,10 @@
-"""The routing policy of render_server.routing, without sockets."""
+"""The routing policy of render_server.worker_client.routing, without sockets."""
 
 from __future__ import annotations
 
 import pytest
 
-from render_server.routing import (
+from render_server.worker_client.routing import (
     AFFINITY_MAX_BLOCKS,
     PrefixAffinity,
     WorkerLoad,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.sampler import Sampler, SamplingRequestState
+from gpu_worker.sampling.sampler import Sampler, SamplingRequestState
 from shared.sampling import SamplingParams
 
 CPU = torch.device("cpu")

@@ -12,10 +12,10 @@ from collections.abc import Callable
 
 import pytest
 
-from gpu_worker.config import CacheConfig, SchedulerConfig
-from gpu_worker.kv_cache import KVCacheManager
-from gpu_worker.scheduler import Scheduler, SchedulerOutput
-from gpu_worker.sequence import FinishReason, Sequence, SequenceStatus
+from gpu_worker.engine.config import CacheConfig, SchedulerConfig
+from gpu_worker.engine.kv_cache import KVCacheManager
+from gpu_worker.engine.scheduler import Scheduler, SchedulerOutput
+from gpu_worker.engine.sequence import FinishReason, Sequence, SequenceStatus
 from shared.sampling import SamplingParams
 
 BS = 16
@@ -330,8 +330,8 @@ def test_random_workload_keeps_invariants() -> None:
 
 def test_engine_modules_do_not_import_torch() -> None:
     code = (
-        "import sys, gpu_worker, gpu_worker.config, gpu_worker.sequence, "
-        "gpu_worker.kv_cache, gpu_worker.scheduler; "
+        "import sys, gpu_worker, gpu_worker.engine.config, gpu_worker.engine.sequence, "
+        "gpu_worker.engine.kv_cache, gpu_worker.engine.scheduler; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,7 +1,7 @@
 """Structured outputs: constraints compile or are refused with a reason (shared.constraints),
 the worker holds every output to its constraint across seeds, temperatures, mixed batches
-and preemption (gpu_worker.structured through the offline Engine), and the render tier
-reads the request fields (render_server.structured)."""
+and preemption (gpu_worker.sampling.structured through the offline Engine), and the render tier
+reads the request fields (render_server.generation.structured)."""
 
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from gpu_worker import Engine
-from gpu_worker.errors import RequestRejected
-from gpu_worker.structured import GrammarMasker, RequestMatcher, lltokenizer_from_source
-from render_server.errors import ApiError
-from render_server.routing import continuation
-from render_server.schemas.generation import ChatCompletionRequest
-from render_server.structured import ConstraintValidator, constraint_from_request
+from gpu_worker.engine.errors import RequestRejected
+from gpu_worker.sampling.structured import GrammarMasker, RequestMatcher, lltokenizer_from_source
+from render_server.generation.structured import ConstraintValidator, constraint_from_request
+from render_server.http.errors import ApiError
+from render_server.http.schemas.generation import ChatCompletionRequest
+from render_server.worker_client.routing import continuation
 from shared.constraints import lltokenizer_from_hf, new_matcher, validate
 from shared.model_source import ModelSource
 from shared.protocol import MAX_CONSTRAINT_CHARS, Constraint, Generate
@@ -323,7 +323,7 @@ def test_invalid_constraints_say_why(constraint: Constraint, words: str, lltoken
 
 CHAIN_CHILD = """
 import sys
-from gpu_worker.structured import lltokenizer_from_source
+from gpu_worker.sampling.structured import lltokenizer_from_source
 from shared.constraints import new_matcher, validate
 from shared.model_source import resolve_model
 from shared.protocol import MAX_CONSTRAINT_CHARS, Constraint

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from gpu_worker.structured import StructuredOutputs
+from gpu_worker.sampling.structured import StructuredOutputs
 from shared.model_source import ModelSource
 from shared.protocol import Constraint
 

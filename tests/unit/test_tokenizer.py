@@ -1,4 +1,4 @@
-"""render_server.tokenizer against transformers, the reference, on the same files."""
+"""render_server.templating.tokenizer against transformers, the reference, on the same files."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from render_server.tokenizer import Tokenizer, TokenizerLoadError
+from render_server.templating.tokenizer import Tokenizer, TokenizerLoadError
 from shared.model_source import ModelSource, resolve_model
 from shared.tokenizer_digest import tokenizer_digest
 from tests.conftest import DATA_DIR
@@ -88,7 +88,7 @@ def test_digest_equals_the_workers_file_digest(
 
 def test_digest_stable_across_processes(smollm2_tokenizer: Tokenizer) -> None:
     code = (
-        "from render_server.tokenizer import Tokenizer\n"
+        "from render_server.templating.tokenizer import Tokenizer\n"
         "from shared.model_source import resolve_model\n"
         "print(Tokenizer.from_source(resolve_model('SmolLM2-135M-Instruct')).digest)\n"
     )

@@ -19,14 +19,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from render_server.tool_parsers import (
+from render_server.parsing.tool_parsers import (
     TOOL_PARSERS,
     ExtractedToolCalls,
     ToolParser,
     UnknownToolParserError,
     get_tool_parser,
 )
-from render_server.tool_parsers.json_scan import (
+from render_server.parsing.tool_parsers.json_scan import (
     MAX_JSON_DEPTH,
     JsonScanError,
     JsonValueScanner,

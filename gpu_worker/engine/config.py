@@ -1,0 +1,106 @@
+"""Engine configuration: frozen dataclasses built once at the entry point and passed down.
+
+Each concern has its own small config so an `EngineConfig` can hold them side by side
+with the model and device fields. Fields are keyword-only: a required field may follow
+defaulted ones, and call sites read like the CLI flags they come from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from shared.model_source import DEFAULT_MODEL
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    """Shape of the paged KV cache and whether full blocks are shared across sequences."""
+
+    block_size: int = 16
+    """Tokens per KV block; also the unit of prefix hashing (`shared/hashing.py`)."""
+    num_blocks: int
+    """Blocks in the pool, sized from free device memory by the worker at startup."""
+    enable_prefix_caching: bool = True
+    """Reuse full blocks whose chained hash matches, so shared prefixes are computed once."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+
+    @property
+    def num_cache_tokens(self) -> int:
+        """Tokens the whole cache can hold; no sequence may grow past this."""
+        return self.num_blocks * self.block_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """Limits of one engine step and of one sequence."""
+
+    max_num_seqs: int = 256
+    """Most sequences running at once (holding KV blocks and scheduled each step)."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step: decodes plus prefill chunks. Long prompts are chunked to fit."""
+    max_model_len: int
+    """Longest sequence, prompt plus output; reaching it finishes with reason "length"."""
+    long_prefill_token_threshold: int | None = None
+    """Cap on one sequence's prefill chunk per step, so one long prompt cannot take the
+    whole budget from other prefills; None means only the step budget caps it."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        threshold = self.long_prefill_token_threshold
+        if threshold is not None and threshold < 1:
+            raise ValueError(f"long_prefill_token_threshold must be positive, got {threshold}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Arguments of `Engine(...)` and flags of `gpu-worker`; sizes resolved at startup."""
+
+    model: str = DEFAULT_MODEL
+    """Built-in name, `.gguf` file or HF directory."""
+    served_model_name: str | None = None
+    """Model id reported to clients; defaults to the model's name."""
+    device: str = "auto"
+    """auto, cuda, cuda:N or cpu."""
+    dtype: str = "auto"
+    """auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16 or float16."""
+    block_size: int = 16
+    """Tokens per KV cache block."""
+    max_num_seqs: int = 256
+    """Most sequences in one batch."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (decodes plus prefill chunks)."""
+    max_model_len: int | None = None
+    """Longest prompt plus output; defaults to the model's context length."""
+    kv_cache_memory_gb: float | None = None
+    """KV cache size; on CPU defaults to 1 GiB, on CUDA sized from free memory."""
+    gpu_memory_utilization: float = 0.9
+    """Share of GPU memory the worker may use in all (weights, cache, activations)."""
+    attention_backend: str = "auto"
+    """auto (triton on CUDA, torch on CPU), torch or triton."""
+    enforce_eager: bool = False
+    """Run every step eagerly: no CUDA graphs for decode steps (graphs are CUDA-only)."""
+    cuda_graph_max_batch_size: int | None = None
+    """Largest decode batch captured in a graph; default min(max_num_seqs, 512)."""
+    cpu_gguf_kernels: bool = True
+    """fp32 on CPU from a GGUF file: decode-sized batches (up to
+    `gguf_linear.MAX_QUANTIZED_ROWS` rows) multiply on the file's 4-8 bit blocks (same
+    weight values, ~5x fewer bytes per step) instead of dense fp32 weights."""
+    enable_prefix_caching: bool = True
+    """Share full KV blocks between requests with the same prefix."""
+    max_waiting: int = 4096
+    """Requests queued beyond this are rejected with `queue_full`."""
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine arguments: {', '.join(unknown)}")
+        return cls(**kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,229 @@
+"""Continuous batching with chunked prefill, a token budget and preemption by recompute.
+
+One step: running sequences first (decodes and continuing prefill chunks), in arrival
+order, then waiting ones, until the token budget or `max_num_seqs` runs out. There is
+no prefill phase: each sequence gets `num_new_tokens` toward its known tokens, and only
+one whose scheduled tokens reach the end of them is sampled.
+
+Invariant: `running` is in arrival order, so `running[-1]` is the newest. It holds
+because admission is FCFS with head-of-line blocking and preempted sequences go back to
+the FRONT of `waiting`, so nothing newer is admitted before them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from gpu_worker.engine.config import SchedulerConfig
+from gpu_worker.engine.kv_cache import KVCacheManager
+from gpu_worker.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence's share of a step: `num_new_tokens` tokens from `num_computed_tokens`."""
+
+    seq: Sequence
+    num_computed_tokens: int
+    """Position of the first scheduled token (the sequence's progress before this step)."""
+    num_new_tokens: int
+    will_sample: bool
+    """The scheduled tokens reach the end of the known tokens, so the last one's logits
+    give a new token; False for a prefill chunk that is not the last."""
+
+
+@dataclass
+class SchedulerOutput:
+    """What the model runs this step, in batch order, and who was preempted to make room."""
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Decides each step which sequences run and how many tokens each computes."""
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        self.config = scheduler_config
+        self.kv = kv_cache_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.num_cache_tokens = kv_cache_manager.num_blocks * kv_cache_manager.block_size
+        # A sequence longer than the whole cache could never compute its next token, so
+        # it stops with "length" there (else it would preempt itself forever).
+        self.max_seq_len = min(scheduler_config.max_model_len, self.num_cache_tokens + 1)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.requests: dict[str, Sequence] = {}
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def check_admissible(self, prompt_len: int, max_tokens: int) -> str | None:
+        """Why a request can never run here, or None. The server rejects it with this."""
+        if prompt_len < 1:
+            return "prompt is empty"
+        if max_tokens < 1:
+            return f"max_tokens must be at least 1, got {max_tokens}"
+        if prompt_len + 1 > self.config.max_model_len:
+            return (
+                f"prompt has {prompt_len} tokens; max_model_len {self.config.max_model_len} "
+                "leaves no room for output"
+            )
+        if prompt_len > self.num_cache_tokens:
+            return (
+                f"prompt has {prompt_len} tokens, more than the whole KV cache holds "
+                f"({self.num_cache_tokens})"
+            )
+        return None
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence. Raises ValueError if it is inadmissible or a duplicate."""
+        if seq.request_id in self.requests:
+            raise ValueError(f"duplicate request_id {seq.request_id!r}")
+        if seq.block_size != self.kv.block_size:
+            raise ValueError(f"sequence block_size {seq.block_size} != {self.kv.block_size}")
+        reason = self.check_admissible(seq.num_prompt_tokens, seq.sampling.max_tokens)
+        if reason is not None:
+            raise ValueError(reason)
+        seq.status = SequenceStatus.WAITING
+        self.requests[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, request_ids: Iterable[str]) -> list[Sequence]:
+        """Finish these with "abort" and free their blocks now; unknown ids are skipped."""
+        aborted: list[Sequence] = []
+        for request_id in request_ids:
+            seq = self.requests.get(request_id)
+            if seq is None:
+                continue
+            if seq.status == SequenceStatus.RUNNING:
+                self.running.remove(seq)
+            else:
+                self.waiting.remove(seq)
+            seq.finish(FinishReason.ABORT)
+            self._release(seq)
+            aborted.append(seq)
+        return aborted
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's batch. Sequences' progress advances in `update`, not here."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        # Running first: they hold blocks, and decodes keep latency low.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = self._num_new_tokens(seq, seq.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(seq, num_new):
+                victim = self.running.pop()  # the newest; never one already scheduled
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self._emit(out, seq, seq.num_computed_tokens, num_new)
+                budget -= num_new
+                i += 1
+
+        # Then admit waiting ones, unless this step had to preempt: blocks are short.
+        while (
+            self.waiting
+            and budget > 0
+            and not out.preempted
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            cached_blocks, num_cached = self.kv.get_computed_blocks(seq)
+            num_new = self._num_new_tokens(seq, num_cached, budget)
+            if not self.kv.allocate_slots(seq, num_new, cached_blocks):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            if seq.status == SequenceStatus.WAITING:
+                seq.num_cached_tokens = num_cached
+            seq.num_computed_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._emit(out, seq, num_cached, num_new)
+            budget -= num_new
+        return out
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+        """Apply a finished step: advance progress, append sampled tokens, check stops.
+
+        `sampled` maps request_id to the new token of every sequence with `will_sample`.
+        Returns the sequences that got a token (finished ones included, blocks freed).
+        """
+        changed: list[Sequence] = []
+        for item in output.scheduled:
+            seq = item.seq
+            if seq.is_finished:  # aborted between schedule() and update()
+                continue
+            seq.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
+            self.kv.cache_full_blocks(seq)
+            if not item.will_sample:
+                continue
+            token_id = sampled[seq.request_id]
+            seq.append_token(token_id)
+            self._check_stop(seq, token_id)
+            if seq.is_finished:
+                self.running.remove(seq)
+                self._release(seq)
+            changed.append(seq)
+        return changed
+
+    def _num_new_tokens(self, seq: Sequence, num_computed: int, budget: int) -> int:
+        num_new = min(seq.num_tokens - num_computed, budget)
+        threshold = self.config.long_prefill_token_threshold
+        return min(num_new, threshold) if threshold is not None else num_new
+
+    def _emit(self, out: SchedulerOutput, seq: Sequence, num_computed: int, num_new: int) -> None:
+        will_sample = num_computed + num_new == seq.num_tokens
+        out.scheduled.append(ScheduledSequence(seq, num_computed, num_new, will_sample))
+        out.num_batched_tokens += num_new
+
+    def _preempt(self, seq: Sequence) -> None:
+        # Output tokens are kept: the recompute covers prompt + output, mostly from cache.
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.PREEMPTED
+        self.waiting.appendleft(seq)
+
+    def _check_stop(self, seq: Sequence, token_id: int) -> None:
+        sampling = seq.sampling
+        # A stop token counts only after min_tokens others (the sampler masks them before
+        # that; this is the worker's backstop).
+        if seq.num_output_tokens > sampling.min_tokens:
+            if not sampling.ignore_eos and token_id in self.eos_token_ids:
+                seq.finish(FinishReason.STOP)
+                return
+            if token_id in sampling.stop_token_ids:
+                seq.finish(FinishReason.STOP, stop_token_id=token_id)
+                return
+        if seq.num_output_tokens >= sampling.max_tokens or seq.num_tokens >= self.max_seq_len:
+            seq.finish(FinishReason.LENGTH)
+
+    def _release(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        del self.requests[seq.request_id]

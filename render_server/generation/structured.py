@@ -1,0 +1,212 @@
+"""Structured outputs in the render tier: read the one constraint a request asks for, and
+compile it against the model's tokenizer before anything reaches a worker.
+
+A request names its constraint in one of these fields (at most one; two are a 400):
+- `response_format`: {"type": "json_object"}, {"type": "json_schema", "json_schema":
+  {"name", "schema", "strict"}}, or {"type": "text"} (no constraint) — OpenAI's;
+- `structured_outputs`: {"json" | "regex" | "choice" | "grammar" | "json_object": ...} — vLLM's;
+- `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` — vLLM's older names.
+
+Compilation (shared.constraints.validate, llguidance) runs on a small dedicated thread
+pool under a deadline, so a hostile grammar costs its own request a 400 and never blocks
+the event loop or the threads other requests use. llguidance's parser limits bound that
+work too, the same limits the worker builds its matchers with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import llguidance
+
+from render_server.http.errors import ApiError
+from shared.constraints import lltokenizer_from_hf, validate
+from shared.protocol import MAX_CONSTRAINT_CHARS, Constraint
+
+if TYPE_CHECKING:
+    from fastapi import Request
+
+    from render_server.http.api.deps import RenderState
+    from render_server.http.schemas.generation import SamplingFields
+    from render_server.templating.tokenizer import Tokenizer
+
+VALIDATION_TIMEOUT_S = 2.0
+MAX_VALIDATION_THREADS = 4
+
+_GUIDED_FIELDS = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+_STRUCTURED_OUTPUTS_KEYS = {
+    "json_": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+}
+
+
+class ConstraintValidator:
+    """Compiles constraints against one tokenizer off the event loop, under a deadline."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        timeout_s: float = VALIDATION_TIMEOUT_S,
+        max_threads: int = MAX_VALIDATION_THREADS,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.timeout_s = timeout_s
+        threads = max(1, min(max_threads, os.cpu_count() or 1))
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="constraint-check")
+        self._lltokenizer: Future[llguidance.LLTokenizer] | None = None
+
+    async def check(self, constraint: Constraint) -> str | None:
+        """None if the constraint compiles, else why not (a message for the client)."""
+        if self._lltokenizer is None:
+            # Built once (~1 s), outside the deadline: that cost is not the request's fault.
+            tokenizer = self.tokenizer
+            self._lltokenizer = self._executor.submit(
+                lltokenizer_from_hf,
+                tokenizer.hf,
+                vocab_size=tokenizer.vocab_size,
+                eos_token_ids=tokenizer.eos_token_ids,
+            )
+        lltokenizer = await asyncio.wrap_future(self._lltokenizer)
+        work = asyncio.get_running_loop().run_in_executor(
+            self._executor, validate, constraint, lltokenizer
+        )
+        try:
+            return await asyncio.wait_for(work, self.timeout_s)
+        except TimeoutError:
+            # The thread runs on until llguidance's fuel runs out; only this request waits.
+            return f"constraint too complex: it did not compile within {self.timeout_s:g} s"
+
+
+def validator_for(request: Request, tokenizer: Tokenizer) -> ConstraintValidator:
+    """The app's validator, made on first use and kept on `app.state`."""
+    app_state = request.app.state
+    validator = getattr(app_state, "constraint_validator", None)
+    if validator is None or validator.tokenizer is not tokenizer:
+        validator = ConstraintValidator(tokenizer)
+        app_state.constraint_validator = validator
+    return validator
+
+
+async def resolve_constraint(
+    request: Request, state: RenderState, body: SamplingFields
+) -> Constraint | None:
+    """The request's constraint, compiled and checked; ApiError 400 naming the field."""
+    found = constraint_from_request(body)
+    if found is None:
+        return None
+    constraint, param = found
+    error = await validator_for(request, state.tokenizer).check(constraint)
+    if error is not None:
+        raise ApiError(400, f"{param}: {error}", param=param, code="invalid_constraint")
+    return constraint
+
+
+def constraint_from_request(body: SamplingFields) -> tuple[Constraint, str] | None:
+    """(constraint, the field that set it) from the request fields, unchecked, or None."""
+    found: list[tuple[Constraint, str]] = []
+    if "response_format" in body.model_fields_set and body.response_format is not None:
+        constraint = _from_response_format(body.response_format)
+        if constraint is not None:
+            found.append((constraint, "response_format"))
+    options = body.structured_outputs
+    if options is not None:
+        if options.structural_tag is not None:
+            raise ApiError(
+                400,
+                "structured_outputs.structural_tag is not supported.",
+                param="structured_outputs",
+                code="unsupported_parameter",
+            )
+        for key, kind in _STRUCTURED_OUTPUTS_KEYS.items():
+            value = getattr(options, key)
+            if value is not None:
+                found.append((_constraint(kind, value, "structured_outputs"), "structured_outputs"))
+        if options.json_object:
+            found.append((Constraint(kind="json_object"), "structured_outputs"))
+    for field, kind in _GUIDED_FIELDS.items():
+        value = getattr(body, field)
+        if value is not None:
+            found.append((_constraint(kind, value, field), field))
+    if len(found) > 1:
+        names = ", ".join(dict.fromkeys(param for _, param in found))
+        param = found[1][1]
+        raise ApiError(
+            400,
+            f"{param}: a request takes at most one structured-output constraint; got {names}.",
+            param=param,
+        )
+    return found[0] if found else None
+
+
+def _from_response_format(value: Any) -> Constraint | None:
+    param = "response_format"
+    if not isinstance(value, dict):
+        raise ApiError(400, "response_format must be an object with a `type`.", param=param)
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint(kind="json_object")
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise ApiError(
+                400, "response_format.json_schema must be an object with a `schema`.", param=param
+            )
+        schema = spec.get("schema")
+        if schema is None:
+            raise ApiError(400, "response_format.json_schema.schema is missing.", param=param)
+        return _constraint("json_schema", schema, param)
+    raise ApiError(
+        400,
+        f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}.",
+        param=param,
+    )
+
+
+def _constraint(kind: str, value: Any, param: str) -> Constraint:
+    """A Constraint of `kind` from a request value, with its size bounded."""
+    if kind == "json_schema":
+        if isinstance(value, str):
+            spec = value
+        elif isinstance(value, dict):
+            spec = json.dumps(value, ensure_ascii=False)
+        else:
+            raise ApiError(400, f"{param}: a JSON schema must be an object.", param=param)
+    elif kind == "choice":
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            raise ApiError(400, f"{param}: choice must be a list of strings.", param=param)
+        spec = json.dumps(value, ensure_ascii=False)
+    elif isinstance(value, str):
+        spec = value
+    else:
+        raise ApiError(400, f"{param}: must be a string.", param=param)
+    if len(spec) > MAX_CONSTRAINT_CHARS:
+        raise ApiError(
+            400,
+            f"{param}: the constraint has {len(spec)} characters; at most "
+            f"{MAX_CONSTRAINT_CHARS} are accepted.",
+            param=param,
+        )
+    return Constraint(kind=kind, spec=spec)  # type: ignore[arg-type]
+
+
+async def check_constraint(
+    request: Request, state: RenderState, constraint: Constraint, param: str
+) -> Constraint:
+    """Validate a constraint built by the server (tool choice); 400 naming `param`."""
+    error = await validator_for(request, state.tokenizer).check(constraint)
+    if error is not None:
+        raise ApiError(400, f"{param}: {error}", param=param, code="invalid_constraint")
+    return constraint

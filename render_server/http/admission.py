@@ -1,0 +1,124 @@
+"""Admission control, draining and slow-client protection for the generation routes.
+
+A pure ASGI middleware around /v1/chat/completions and /v1/completions:
+- at most `max_pending` of them in flight per render process; beyond that 429 with
+  Retry-After, so a load balancer or client backs off instead of piling up;
+- once draining (SIGTERM), new ones get 503 while the in-flight ones finish;
+- every body write to the client must complete within `write_timeout_s`: a client that
+  stops reading is cut off, which cancels its stream and aborts its worker request, so it
+  cannot pin KV blocks on a worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from render_server.http.errors import SERVER_ERROR, error_body
+
+logger = logging.getLogger(__name__)
+
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+class ClientTooSlow(Exception):
+    """The client did not take a response chunk within the write timeout."""
+
+
+class Admission:
+    """In-flight generation requests of this process, and whether it is draining."""
+
+    def __init__(self, max_pending: int, write_timeout_s: float) -> None:
+        self.max_pending = max_pending
+        self.write_timeout_s = write_timeout_s
+        self.in_flight = 0
+        self.draining = False
+        self.rejected = 0
+        self.slow_clients = 0
+        self._idle: asyncio.Event | None = None
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until nothing is in flight; False if `timeout_s` passed first."""
+        if self.in_flight == 0:
+            return True
+        self._idle = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def _finished_one(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0 and self._idle is not None:
+            self._idle.set()
+
+
+async def _refuse(send: Send, status: int, message: str, code: str, kind: str) -> None:
+    body = error_body(message, type=kind, code=code)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"retry-after", b"1"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class AdmissionMiddleware:
+    """See the module docstring."""
+
+    def __init__(self, app: ASGIApp, admission: Admission) -> None:
+        self.app = app
+        self.admission = admission
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].endswith(GENERATION_PATHS):
+            await self.app(scope, receive, send)
+            return
+        admission = self.admission
+        if admission.draining:
+            await _refuse(
+                send, 503, "This server is shutting down; retry elsewhere.", "draining",
+                SERVER_ERROR,
+            )  # fmt: skip
+            return
+        if admission.in_flight >= admission.max_pending:
+            admission.rejected += 1
+            await _refuse(
+                send,
+                429,
+                f"Too many requests in flight on this server ({admission.max_pending}); "
+                "retry shortly.",
+                "too_many_pending",
+                "rate_limit_error",
+            )
+            return
+        timeout = admission.write_timeout_s
+
+        async def timed_send(message: Message) -> None:
+            if message["type"] != "http.response.body":
+                await send(message)
+                return
+            # asyncio.timeout, not wait_for: no task per chunk on the hot path.
+            try:
+                async with asyncio.timeout(timeout):
+                    await send(message)
+            except TimeoutError:
+                raise ClientTooSlow from None
+
+        admission.in_flight += 1
+        try:
+            await self.app(scope, receive, timed_send)
+        except ClientTooSlow:
+            admission.slow_clients += 1
+            logger.warning("a client stopped reading for %.0fs: its stream was cut", timeout)
+        finally:
+            admission._finished_one()

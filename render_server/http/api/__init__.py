@@ -1,0 +1,5 @@
+"""HTTP routers, one module per resource; app.py includes them all."""
+
+from render_server.http.api import admin, chat, completions, models, tokenize
+
+ROUTERS = (admin.router, models.router, tokenize.router, chat.router, completions.router)

@@ -1,0 +1,100 @@
+"""Dependencies of the routers, as `Annotated` aliases.
+
+The app holds one RenderState, built once by `app.build_state` from the settings; routes
+reach it through `StateDep` rather than through globals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated
+
+from fastapi import Depends, Request
+
+from render_server.http.errors import SERVER_ERROR, ApiError, model_not_found
+from render_server.http.metrics import RenderMetrics
+from render_server.settings import RenderSettings
+
+if TYPE_CHECKING:
+    from render_server.generation.metrics import GenerationMetrics
+    from render_server.http.admission import Admission
+    from render_server.templating.chat_template import ChatRenderer
+    from render_server.templating.token_text import TokenText
+    from render_server.templating.tokenizer import Tokenizer
+    from render_server.worker_client.discovery import WorkerDiscovery
+    from render_server.worker_client.pool import WorkerPool
+
+
+@dataclass(frozen=True)
+class RenderState:
+    """Everything the routes share, built once per app."""
+
+    settings: RenderSettings
+    model_id: str
+    """The served name: what clients pass as `model`."""
+    root_model: str
+    """The model's own name (before --served-model-name)."""
+    created: int
+    """Unix time the app was built; reported by /v1/models."""
+    version: str
+    """The duet package version."""
+    tokenizer: Tokenizer
+    renderer: ChatRenderer
+    metrics: RenderMetrics
+    token_text: TokenText
+    """Cached per-token text and bytes for logprobs."""
+    generation_metrics: GenerationMetrics
+    admission: Admission | None = None
+    """In-flight generation requests and the draining flag (set by create_app)."""
+    workers: WorkerPool | None = None
+    """The connections to the gpu-workers; None on a --render-only server."""
+    discovery: WorkerDiscovery | None = None
+    """Keeps `workers` in step with --worker-dns; None without it."""
+
+    @property
+    def max_model_len(self) -> int:
+        """The context length: the tokenizer's, capped by what the workers accept."""
+        card = self.workers.model_card if self.workers is not None else None
+        if card is None:
+            return self.tokenizer.max_model_len
+        return min(card.max_model_len, self.tokenizer.max_model_len)
+
+    def require_workers(self) -> WorkerPool:
+        """The pool, or the 503 a client gets when nothing can generate."""
+        if self.workers is None:
+            raise ApiError(
+                503,
+                "This render server runs with --render-only: it cannot generate.",
+                type=SERVER_ERROR,
+                code="render_only",
+            )
+        if not self.workers.is_ready():
+            raise ApiError(
+                503,
+                "No gpu-worker is connected and alive; retry shortly.",
+                type=SERVER_ERROR,
+                code="no_workers",
+                headers={"Retry-After": "1"},
+            )
+        return self.workers
+
+    def check_model(self, requested: str | None) -> None:
+        """Raise the OpenAI 404 unless `requested` is absent or names the served model."""
+        if requested and requested != self.model_id:
+            raise model_not_found(requested)
+
+
+# Dependencies are `async def` on purpose: FastAPI runs a plain `def` dependency on the
+# thread pool, which costs far more than these one-line lookups.
+async def get_state(request: Request) -> RenderState:
+    """The app's RenderState (set by create_app)."""
+    return request.app.state.render
+
+
+async def get_request_id(request: Request) -> str:
+    """The id RequestContextMiddleware gave this request (also in X-Request-Id)."""
+    return request.scope.get("state", {}).get("request_id", "")
+
+
+StateDep = Annotated[RenderState, Depends(get_state)]
+RequestIdDep = Annotated[str, Depends(get_request_id)]

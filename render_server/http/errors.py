@@ -1,0 +1,172 @@
+"""Every error leaves the server as `{"error": {"message", "type", "param", "code"}}`.
+
+Routes raise `ApiError`; FastAPI's own errors (unknown route, wrong method, invalid JSON,
+validation) are translated by the handlers installed here; the ASGI middlewares build
+their bodies with `error_body`. Nothing here ever puts a traceback in a response.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from render_server.http.schemas.errors import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+INVALID_REQUEST = "invalid_request_error"
+SERVER_ERROR = "server_error"
+
+# Where FastAPI says a value came from; the client only cares about the path below it.
+_LOCATION_ROOTS = frozenset({"body", "query", "path", "header", "cookie"})
+# Pydantic's messages for "this is not an object", seen when the body is `[1]` or `"x"`.
+_NOT_AN_OBJECT = frozenset({"model_type", "model_attributes_type", "dict_type", "missing"})
+
+
+class ApiError(Exception):
+    """An error a route reports to the client, with its HTTP status."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.headers = headers
+
+
+def model_not_found(name: str) -> ApiError:
+    """The 404 OpenAI returns for a `model` it does not serve."""
+    return ApiError(
+        404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
+    )
+
+
+def error_body(
+    message: str, *, type: str = INVALID_REQUEST, param: str | None = None, code: str | None = None
+) -> bytes:
+    """Serialized error body, for the ASGI middlewares that answer without FastAPI."""
+    info = ErrorInfo(message=message, type=type, param=param, code=code)
+    return ErrorResponse(error=info).model_dump_json().encode()
+
+
+def error_response(
+    status_code: int, info: ErrorInfo, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    """A JSONResponse carrying the OpenAI error body."""
+    return JSONResponse(
+        ErrorResponse(error=info).model_dump(), status_code=status_code, headers=headers
+    )
+
+
+def is_json_content_type(content_type: str | None) -> bool:
+    """True for `application/json` and `application/*+json`, as FastAPI parses them."""
+    if not content_type:
+        return False
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    return media_type == "application/json" or (
+        media_type.startswith("application/") and media_type.endswith("+json")
+    )
+
+
+def _param_path(loc: Sequence[Any]) -> list[str]:
+    parts = [str(part) for part in loc if not (isinstance(part, str) and part.startswith("<"))]
+    if parts and parts[0] in _LOCATION_ROOTS:
+        parts = parts[1:]
+    return parts
+
+
+def validation_error_info(errors: Sequence[Any], content_type: str | None) -> ErrorInfo:
+    """Turn FastAPI/pydantic validation errors into one OpenAI error naming the field."""
+    if not errors:
+        return ErrorInfo(message="Invalid request.", type=INVALID_REQUEST)
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "invalid JSON")
+        position = first["loc"][-1] if first.get("loc") else "?"
+        return ErrorInfo(
+            message=f"We could not parse the JSON body of your request: {detail} "
+            f"(at character {position}).",
+            type=INVALID_REQUEST,
+            code="invalid_json",
+        )
+    # Without a JSON content type FastAPI never parses the body, so every body error is
+    # really this one; vLLM and the OpenAI API answer it with a 400 as well.
+    if first.get("loc", ("",))[0] == "body" and not is_json_content_type(content_type):
+        return ErrorInfo(
+            message="Unsupported Content-Type: send the body as application/json.",
+            type=INVALID_REQUEST,
+            code="unsupported_media_type",
+        )
+    path = _param_path(first.get("loc", ()))
+    if not path and first.get("type") in _NOT_AN_OBJECT:
+        return ErrorInfo(message="The request body must be a JSON object.", type=INVALID_REQUEST)
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    param = ".".join(path) or None
+    if param:
+        message = f"{param}: {message}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return ErrorInfo(message=message, type=INVALID_REQUEST, param=param)
+
+
+_HTTP_CODES: dict[int, str] = {
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    431: "request_headers_too_large",
+}
+
+
+async def _api_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError)
+    return error_response(exc.status_code, exc.info, exc.headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    status = exc.status_code
+    if status == 404:
+        # The router's "Not Found" says nothing; OpenAI names the method and path.
+        message = f"Invalid URL ({request.method} {request.url.path})"
+    elif status == 405:
+        message = f"Method {request.method} is not allowed on {request.url.path}."
+    else:
+        message = str(exc.detail)
+    kind = SERVER_ERROR if status >= 500 else INVALID_REQUEST
+    info = ErrorInfo(message=message, type=kind, code=_HTTP_CODES.get(status))
+    return error_response(status, info, exc.headers)
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    info = validation_error_info(exc.errors(), request.headers.get("content-type"))
+    return error_response(400, info)
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    # Reached only if an exception escapes RequestContextMiddleware, which normally
+    # answers 500s itself (so they carry the request id).
+    logger.error("unhandled error", exc_info=exc)
+    return error_response(500, ErrorInfo(message="Internal server error.", type=SERVER_ERROR))
+
+
+def install_exception_handlers(app: FastAPI) -> None:
+    """Route every FastAPI/Starlette error through the OpenAI error shape."""
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(Exception, _unexpected_error)

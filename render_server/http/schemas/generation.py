@@ -1,0 +1,136 @@
+"""Request fields chat and completions share: sampling, stops, limits (OpenAI + vLLM).
+
+Unknown fields are ignored, as the OpenAI SDK sends fields duet has no use for
+(`metadata`, `store`, ...). Fields duet does not support yet are named in
+`UNSUPPORTED_FIELDS` and answered with a 400 that names them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from render_server.http.schemas.tokenize import ChatMessage, ToolDefinition
+
+# Bounds checked in the render tier before anything reaches a worker.
+MAX_MESSAGES = 4096
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_CHAT_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 20
+
+StopField = Annotated[
+    str | list[str] | None,
+    Field(description="Up to 16 strings; generation stops before the first that appears."),
+]
+
+
+class StreamOptions(BaseModel):
+    """Options of a streamed response."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+    """Send a last chunk with `usage` (and empty `choices`) before `[DONE]`."""
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` request field; render_server.generation.structured reads it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    json_: Any = Field(default=None, alias="json")
+    """A JSON schema, as an object or as JSON text."""
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    """A Lark grammar (as llguidance extends it) or a GBNF one."""
+    json_object: bool | None = None
+    structural_tag: Any = None
+    """Not supported: refused when set."""
+
+
+class SamplingFields(BaseModel):
+    """Fields of both endpoints that become SamplingParams, stops and limits."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    """Upper bound on generated tokens; unset means up to max_model_len minus the prompt."""
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    """Choice i samples with seed + i, so a seeded request with n > 1 is reproducible."""
+    n: int = 1
+    stop: StopField = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
+    """Token id (as a string key, as OpenAI sends it) to a bias in [-100, 100]."""
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    """Accepted for compatibility; unused."""
+    priority: int = 0
+    response_format: Any = None
+    """OpenAI's structured outputs: {"type": "text" | "json_object" | "json_schema", ...}."""
+    structured_outputs: StructuredOutputsField | None = None
+    """vLLM's structured outputs: exactly one of json, regex, choice, grammar, json_object."""
+    guided_json: Any = None
+    """vLLM's older names of the same constraints (a JSON schema, as an object or text)."""
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = None
+    """OpenAI's newer name for max_tokens; wins when both are set."""
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    """"none", "auto", "required", or {"type": "function", "function": {"name": ...}}."""
+    parallel_tool_calls: bool | None = None
+    include_reasoning: bool = True
+    """Return the reasoning the --reasoning-parser splits off (reasoning_content)."""
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    add_special_tokens: bool = True
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+# Field -> why it is refused. Only refused when the client actually sets it.
+UNSUPPORTED_FIELDS: dict[str, str] = {
+    "suffix": "suffix (insertion) is not supported",
+}

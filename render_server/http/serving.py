@@ -1,0 +1,128 @@
+"""What chat and completions share: worker errors as HTTP errors, SSE framing, running a
+non-streamed request until the client disconnects, and usage."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import Response
+
+from render_server.generation.lifecycle import Generation
+from render_server.http.errors import SERVER_ERROR, ApiError
+from render_server.http.schemas.errors import ErrorInfo, ErrorResponse
+from render_server.http.schemas.responses import PromptTokensDetails, Usage
+from render_server.worker_client.pool import WorkerError
+
+T = TypeVar("T")
+
+SSE_DONE = b"data: [DONE]\n\n"
+_encode_json = msgspec.json.Encoder().encode
+
+
+GENERATION_ERRORS: dict[int | str, dict[str, object]] = {
+    400: {"model": ErrorResponse, "description": "Invalid request"},
+    404: {"model": ErrorResponse, "description": "Unknown model"},
+    503: {"model": ErrorResponse, "description": "No worker available"},
+}
+"""The error answers of the generation endpoints, for the OpenAPI document."""
+
+
+def json_response(body: msgspec.Struct) -> Response:
+    """A response body encoded by msgspec (several times faster than FastAPI's encoder)."""
+    return Response(_encode_json(body), media_type="application/json")
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready."""
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def worker_error_to_api(error: WorkerError) -> ApiError:
+    """The HTTP answer to a request its workers could not serve."""
+    if error.code == "rejected":
+        if error.reject_code in ("invalid_request", "too_long"):
+            return ApiError(400, error.message, code=error.reject_code)
+        if error.reject_code == "queue_full":
+            return ApiError(
+                503,
+                f"The workers are busy: {error.message}. Retry shortly.",
+                type=SERVER_ERROR,
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
+        return ApiError(500, error.message, type=SERVER_ERROR, code=error.reject_code)
+    if error.code == "timeout":
+        return ApiError(504, error.message, type=SERVER_ERROR, code="timeout")
+    return ApiError(
+        503,
+        f"No worker could serve this request: {error.message}",
+        type=SERVER_ERROR,
+        code=error.code,
+        headers={"Retry-After": "1"},
+    )
+
+
+def sse_event(body: object) -> bytes:
+    return b"data: " + _encode_json(body) + b"\n\n"
+
+
+def sse_error(error: ApiError | WorkerError) -> bytes:
+    """An error after the 200 went out: an SSE event in the OpenAI error shape."""
+    api_error = error if isinstance(error, ApiError) else worker_error_to_api(error)
+    info: ErrorInfo = api_error.info
+    return sse_event({"error": info.model_dump()})
+
+
+def usage_of(generation: Generation) -> Usage:
+    prompt = len(generation.prompt_token_ids)
+    completion = generation.num_completion_tokens
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=generation.num_cached_tokens),
+    )
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client disconnects first (non-streamed requests:
+    nothing else would notice, and the workers would keep generating for nobody)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientDisconnected
+
+
+async def stream_with_errors(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """SSE body: the chunks, an error event if generation fails midway, then [DONE]."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except (WorkerError, ApiError) as exc:
+        yield sse_error(exc)
+    yield SSE_DONE

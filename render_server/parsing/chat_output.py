@@ -1,0 +1,177 @@
+"""One chat choice's text -> reasoning, content and tool calls, streamed or whole.
+
+Per choice: the `--reasoning-parser` (if any) splits reasoning from the answer first;
+tool handling applies only to the answer, after reasoning ended. In `auto` mode the
+`--tool-call-parser` reads the answer; with a named tool choice the (constrained) answer
+is the function's arguments, streamed as they come; with `required` the (constrained)
+answer is a JSON array of calls, parsed when the choice ends. The non-streamed result is
+the streamed one accumulated, so both always agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from render_server.http.schemas.responses import (
+    FunctionDeltaOut,
+    FunctionOut,
+    ToolCallDeltaOut,
+    ToolCallOut,
+)
+from render_server.parsing.reasoning import get_reasoning_parser
+from render_server.parsing.tool_choice import ToolPlan, calls_from_constrained_text, new_call_id
+from render_server.parsing.tool_parsers import get_tool_parser
+
+
+@dataclass
+class ChoicePiece:
+    """What one delta of a choice adds, in the client's terms."""
+
+    reasoning: str | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDeltaOut] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.reasoning and not self.content and not self.tool_calls
+
+
+@dataclass
+class ChoiceResult:
+    """A whole choice: what the non-streamed message holds."""
+
+    reasoning: str | None
+    content: str | None
+    tool_calls: list[ToolCallOut]
+
+
+def _join(a: str | None, b: str | None) -> str | None:
+    if not b:
+        return a
+    return b if a is None else a + b
+
+
+class ChoiceProcessor:
+    """Stateful splitter for one choice; feed it the detokenized text as it streams."""
+
+    def __init__(
+        self,
+        plan: ToolPlan,
+        reasoning_parser: str | None = None,
+        *,
+        enable_thinking: bool = True,
+    ) -> None:
+        self.plan = plan
+        self._reasoning = (
+            get_reasoning_parser(reasoning_parser)(enable_thinking=enable_thinking)
+            if reasoning_parser is not None
+            else None
+        )
+        self._tools = (
+            get_tool_parser(plan.parser_name)(plan.tools)
+            if plan.mode == "auto" and plan.parser_name is not None
+            else None
+        )
+        self._buffer: list[str] = []
+        self._named_id: str | None = None
+        self.called_tools = False
+        """Some tool call was emitted: the choice's finish_reason becomes "tool_calls"."""
+
+    def feed(self, text: str) -> ChoicePiece:
+        if not text:
+            return ChoicePiece()
+        if self._reasoning is None:
+            return self._answer(text)
+        reasoning, content = self._reasoning.feed(text)
+        piece = self._answer(content) if content else ChoicePiece()
+        piece.reasoning = reasoning or None
+        return piece
+
+    def finish(self) -> ChoicePiece:
+        piece = ChoicePiece()
+        if self._reasoning is not None:
+            reasoning, content = self._reasoning.finish()
+            piece.reasoning = reasoning or None
+            if content:
+                piece = self._merge(piece, self._answer(content))
+        return self._merge(piece, self._finish_answer())
+
+    def _answer(self, text: str) -> ChoicePiece:
+        mode = self.plan.mode
+        if self._tools is not None:
+            message = self._tools.feed(text)
+            return ChoicePiece(content=message.content, tool_calls=self._deltas(message))
+        if mode == "named":
+            return ChoicePiece(tool_calls=[self._named_delta(text)])
+        if mode == "required":
+            self._buffer.append(text)
+            return ChoicePiece()
+        return ChoicePiece(content=text)
+
+    def _finish_answer(self) -> ChoicePiece:
+        if self._tools is not None:
+            message = self._tools.finish()
+            return ChoicePiece(content=message.content, tool_calls=self._deltas(message))
+        if self.plan.mode != "required":
+            return ChoicePiece()
+        text = "".join(self._buffer)
+        calls = calls_from_constrained_text(self.plan, text)
+        if not calls:
+            return ChoicePiece(content=text or None)  # cut short: not valid JSON yet
+        self.called_tools = True
+        return ChoicePiece(
+            tool_calls=[
+                ToolCallDeltaOut(
+                    index, call.id, "function", FunctionDeltaOut(call.name, call.arguments)
+                )
+                for index, call in enumerate(calls)
+            ]
+        )
+
+    def _named_delta(self, text: str) -> ToolCallDeltaOut:
+        if self._named_id is None:
+            self._named_id = new_call_id()
+            self.called_tools = True
+            function = FunctionDeltaOut(self.plan.function_name, text)
+            return ToolCallDeltaOut(0, self._named_id, "function", function)
+        return ToolCallDeltaOut(0, function=FunctionDeltaOut(arguments=text))
+
+    def _deltas(self, message: object) -> list[ToolCallDeltaOut]:
+        out = []
+        for delta in message.tool_calls:  # type: ignore[attr-defined]
+            if delta.id is not None:
+                self.called_tools = True
+            function = FunctionDeltaOut(delta.name, delta.arguments)
+            out.append(
+                ToolCallDeltaOut(
+                    delta.index, delta.id, "function" if delta.id is not None else None, function
+                )
+            )
+        return out
+
+    @staticmethod
+    def _merge(a: ChoicePiece, b: ChoicePiece) -> ChoicePiece:
+        return ChoicePiece(
+            _join(a.reasoning, b.reasoning),
+            _join(a.content, b.content),
+            a.tool_calls + b.tool_calls,
+        )
+
+    def whole(self, text: str) -> ChoiceResult:
+        """The non-streamed result: the streamed pieces of `text`, accumulated."""
+        total = self._merge(self.feed(text), self.finish())
+        calls: dict[int, ToolCallOut] = {}
+        for delta in total.tool_calls:
+            function = delta.function or FunctionDeltaOut()
+            call = calls.get(delta.index)
+            if call is None:
+                calls[delta.index] = ToolCallOut(
+                    delta.id or new_call_id(),
+                    FunctionOut(function.name or "", function.arguments or ""),
+                )
+            else:
+                call.function.arguments += function.arguments or ""
+        content = total.content
+        if calls and content is not None and not content.strip():
+            content = None
+        return ChoiceResult(total.reasoning, content, [calls[i] for i in sorted(calls)])

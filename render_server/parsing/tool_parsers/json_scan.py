@@ -1,0 +1,244 @@
+"""Incremental, strict JSON scanning for tool-call parsers.
+
+`JsonValueScanner` walks one JSON value a chunk at a time and keeps its state between chunks, so
+a stream costs O(total characters) however it is split. It never guesses: it only says "this
+character continues a valid JSON prefix", "the value ended here" or "this character is wrong".
+
+`render_server.parsing.tool_parsers.json_call` builds on it to read call objects.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+
+# Deeper JSON than this is refused: Python's json module (and so anything downstream that
+# loads the arguments) recurses per level and fails near 1,000.
+MAX_JSON_DEPTH = 512
+
+WHITESPACE = " \t\n\r"
+_WS = re.compile(r"[ \t\n\r]*")
+# A run of a JSON string's body: plain characters and complete escapes. A raw control
+# character, the closing quote or an escape cut off by the chunk's end stops it.
+_STRING_RUN = re.compile(r'(?:[^"\\\x00-\x1f]+|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))+')
+# A whole string without escapes or control characters: its text is its value.
+SIMPLE_STRING = re.compile(r'"([^"\\\x00-\x1f]*)"')
+_DIGITS = re.compile(r"[0-9]+")
+_HEX = frozenset("0123456789abcdefABCDEF")
+_SHORT_ESCAPES = {"\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def skip_ws(text: str, pos: int) -> int:
+    """Index of the first non-whitespace character of ``text`` at or after ``pos``."""
+    return _WS.match(text, pos).end()
+
+
+class JsonScanError(ValueError):
+    """The character at ``pos`` cannot continue the JSON value."""
+
+    def __init__(self, pos: int) -> None:
+        super().__init__(f"invalid JSON at index {pos}")
+        self.pos = pos
+
+
+class _S(Enum):
+    VALUE = 1  # a value must start here
+    ARRAY_FIRST = 2  # just after "[": a value or "]"
+    OBJECT_FIRST = 3  # just after "{": a key or "}"
+    KEY = 4  # after "," in an object: a key
+    COLON = 5
+    AFTER_VALUE = 6  # "," or the closing bracket of the innermost container
+    STRING = 7
+    ESCAPE = 8  # just after a backslash in a string
+    UNICODE = 9  # inside \uXXXX
+    NUMBER = 10
+    LITERAL = 11  # inside true / false / null
+
+
+# The number grammar as a small DFA over states named for what was read last. A digit, ".",
+# "e"/"E" or a sign moves along these tables; anything else ends the number when the state is
+# terminal, and is an error otherwise. "minus" then "0" goes to "int0" (no digit may follow).
+_DIGIT_NEXT = {"minus": "int", "int": "int", "dot": "frac", "frac": "frac"}
+_DIGIT_NEXT |= {"e": "exp", "esign": "exp", "exp": "exp"}
+_DOT_NEXT = {"int0": "dot", "int": "dot"}
+_EXP_NEXT = {"int0": "e", "int": "e", "frac": "e"}
+_SIGN_NEXT = {"e": "esign"}
+_NUM_TERMINAL = frozenset({"int0", "int", "frac", "exp"})
+
+
+class JsonValueScanner:
+    """Scans one strict (RFC 8259) JSON value incrementally.
+
+    ``feed(text, pos)`` consumes ``text[pos:]`` and returns the index just past the value when
+    it ends inside this text, or -1 when it needs more. A scalar at the top level (a number)
+    only ends when a character that cannot continue it arrives; that character is not
+    consumed. Raises `JsonScanError` at the first character that cannot continue the value.
+
+    With ``collect``, the consumed characters are appended to ``out`` (leading whitespace at
+    the top level excluded), except that raw control characters inside strings, which strict
+    JSON forbids but models do write, are replaced by their escapes: the collected text is
+    then always a valid JSON prefix, and a complete value is valid strict JSON.
+    """
+
+    def __init__(self, *, collect: bool = False, require_object: bool = False) -> None:
+        self.out: list[str] = []
+        self._collect = collect
+        self._require_object = require_object
+        self._stack: list[str] = []  # open containers: "{" or "["
+        self._state = _S.VALUE
+        self._string_is_key = False
+        self._hex_left = 0
+        self._number = ""  # the DFA state while in a number
+        self._literal = ""  # characters of the literal still expected
+
+    def take_output(self) -> str:
+        """The collected text since the last call, cleared."""
+        text = "".join(self.out)
+        self.out.clear()
+        return text
+
+    def feed(self, text: str, pos: int) -> int:
+        mark = pos  # consumed text from mark to pos is not yet copied to out
+        n = len(text)
+        try:
+            while pos < n:
+                state = self._state
+                ch = text[pos]
+                if state is _S.STRING:
+                    run = _STRING_RUN.match(text, pos)
+                    if run:
+                        pos = run.end()
+                        continue
+                    if ch == '"':
+                        pos += 1
+                        if self._string_is_key:
+                            self._state = _S.COLON
+                        elif self._end_value():
+                            return pos
+                    elif ch == "\\":
+                        self._state = _S.ESCAPE
+                        pos += 1
+                    else:  # a raw control character: keep it, escaped
+                        if self._collect:
+                            self.out.append(text[mark:pos])
+                            self.out.append(_SHORT_ESCAPES.get(ch) or f"\\u{ord(ch):04x}")
+                        pos += 1
+                        mark = pos
+                elif state in (_S.VALUE, _S.ARRAY_FIRST, _S.OBJECT_FIRST, _S.KEY, _S.COLON):
+                    if ch in WHITESPACE:
+                        pos = skip_ws(text, pos)
+                        if not self._stack and state is _S.VALUE:
+                            mark = pos  # leading whitespace is not part of the value
+                        continue
+                    if state is _S.COLON:
+                        if ch != ":":
+                            raise JsonScanError(pos)
+                        self._state = _S.VALUE
+                        pos += 1
+                    elif state is _S.KEY or (state is _S.OBJECT_FIRST and ch != "}"):
+                        if ch != '"':
+                            raise JsonScanError(pos)
+                        self._state, self._string_is_key = _S.STRING, True
+                        pos += 1
+                    elif ch in "}]" and state in (_S.OBJECT_FIRST, _S.ARRAY_FIRST):
+                        if (ch == "}") != (state is _S.OBJECT_FIRST):
+                            raise JsonScanError(pos)
+                        self._stack.pop()
+                        pos += 1
+                        if self._end_value():
+                            return pos
+                    else:
+                        pos = self._start_value(text, pos)
+                elif state is _S.AFTER_VALUE:
+                    if ch in WHITESPACE:
+                        pos = skip_ws(text, pos)
+                        continue
+                    top = self._stack[-1]
+                    if ch == ",":
+                        self._state = _S.KEY if top == "{" else _S.VALUE
+                        pos += 1
+                    elif ch == ("}" if top == "{" else "]"):
+                        self._stack.pop()
+                        pos += 1
+                        if self._end_value():
+                            return pos
+                    else:
+                        raise JsonScanError(pos)
+                elif state is _S.NUMBER:
+                    number = self._number
+                    if "0" <= ch <= "9":
+                        if number == "minus" and ch == "0":
+                            self._number = "int0"
+                            pos += 1
+                            continue
+                        if number not in _DIGIT_NEXT:  # a digit after a leading 0
+                            raise JsonScanError(pos)
+                        self._number = _DIGIT_NEXT[number]
+                        pos = _DIGITS.match(text, pos).end()
+                        continue
+                    table = _DOT_NEXT if ch == "." else _EXP_NEXT if ch in "eE" else None
+                    if ch in "+-":
+                        table = _SIGN_NEXT
+                    if table is not None and number in table:
+                        self._number = table[number]
+                        pos += 1
+                    elif table is None and number in _NUM_TERMINAL:
+                        # The number ended just before this character, which is not consumed.
+                        if self._end_value():
+                            return pos
+                    else:
+                        raise JsonScanError(pos)
+                elif state is _S.LITERAL:
+                    if ch != self._literal[0]:
+                        raise JsonScanError(pos)
+                    self._literal = self._literal[1:]
+                    pos += 1
+                    if not self._literal and self._end_value():
+                        return pos
+                elif state is _S.ESCAPE:
+                    if ch == "u":
+                        self._state, self._hex_left = _S.UNICODE, 4
+                    elif ch in '"\\/bfnrt':
+                        self._state = _S.STRING
+                    else:
+                        raise JsonScanError(pos)
+                    pos += 1
+                else:  # _S.UNICODE
+                    if ch not in _HEX:
+                        raise JsonScanError(pos)
+                    self._hex_left -= 1
+                    if not self._hex_left:
+                        self._state = _S.STRING
+                    pos += 1
+            return -1
+        finally:
+            if self._collect and pos > mark:
+                self.out.append(text[mark:pos])
+
+    def _start_value(self, text: str, pos: int) -> int:
+        ch = text[pos]
+        if self._require_object and not self._stack and ch != "{":
+            raise JsonScanError(pos)
+        if ch in "{[":
+            if len(self._stack) >= MAX_JSON_DEPTH:
+                raise JsonScanError(pos)
+            self._stack.append(ch)
+            self._state = _S.OBJECT_FIRST if ch == "{" else _S.ARRAY_FIRST
+        elif ch == '"':
+            self._state, self._string_is_key = _S.STRING, False
+        elif ch == "-" or ("0" <= ch <= "9"):
+            self._state = _S.NUMBER
+            self._number = "minus" if ch == "-" else "int0" if ch == "0" else "int"
+        elif ch in "tfn":
+            self._state = _S.LITERAL
+            self._literal = {"t": "rue", "f": "alse", "n": "ull"}[ch]
+        else:
+            raise JsonScanError(pos)
+        return pos + 1
+
+    def _end_value(self) -> bool:
+        """A value just ended: True when it was the top-level one."""
+        if not self._stack:
+            return True
+        self._state = _S.AFTER_VALUE
+        return False

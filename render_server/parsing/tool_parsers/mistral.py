@@ -1,0 +1,188 @@
+"""Mistral tool calls, in both of its tokenizers' shapes, after the ``[TOOL_CALLS]`` token.
+
+    [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": ...}]
+    [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}
+
+The first is Mistral 7B v0.3 / Mixtral / Nemo (tokenizers up to v7), the second the newer
+models (v11 and later: Mistral Small 3.2, Magistral, Devstral). ``[TOOL_CALLS]`` is a special
+token: the detokenizer must keep special tokens for this parser to see it. Text before it, or
+after the array, is content. Mistral's chat template wants 9-character alphanumeric call ids.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+
+from render_server.parsing.tool_parsers.base import (
+    Status,
+    ToolParser,
+    Tools,
+    partial_tag_len,
+    random_alphanumeric,
+)
+from render_server.parsing.tool_parsers.json_call import JsonCallReader
+from render_server.parsing.tool_parsers.json_scan import JsonScanError, JsonValueScanner, skip_ws
+
+TOOL_CALLS_TAG = "[TOOL_CALLS]"
+ARGS_TAG = "[ARGS]"
+_NAME_RUN = re.compile(r"[A-Za-z0-9_.\-]*")
+
+
+class _State(Enum):
+    CONTENT = 1
+    SECTION = 2  # after [TOOL_CALLS]: "[" (a JSON array) or a name (the [ARGS] shape)
+    ELEMENT = 3  # an object of the array
+    ARRAY_NEXT = 4  # "," and another object, or "]"
+    NAME = 5
+    ARGS_TAG = 6  # matching "[ARGS]"
+    ARGS_OPEN = 7  # before the arguments object
+    ARGS = 8  # inside it
+
+
+class MistralToolParser(ToolParser):
+    """Parses ``[TOOL_CALLS]`` followed by a JSON array of calls or by ``name[ARGS]{...}``."""
+
+    name = "mistral"
+
+    def __init__(self, tools: Tools = None) -> None:
+        super().__init__(tools)
+        self._state = _State.CONTENT
+        self._reader: JsonCallReader | None = None
+        self._scanner: JsonValueScanner | None = None
+        self._name_parts: list[str] = []
+        self._matched = 0  # characters of [ARGS] matched so far
+
+    def _new_call_id(self) -> str:
+        return random_alphanumeric(9)
+
+    def _consume(self, text: str, final: bool) -> None:
+        pos = 0
+        while pos >= 0:
+            pos = self._step(text, pos, final)
+
+    def _step(self, text: str, pos: int, final: bool) -> int:
+        """Advance from ``pos`` in the current state: the next position, or -1 to wait for
+        more text (with ``final``, only once nothing is held)."""
+        state, n = self._state, len(text)
+        if state is _State.CONTENT:
+            start = text.find(TOOL_CALLS_TAG, pos)
+            if start < 0:
+                keep = 0 if final else partial_tag_len(text, pos, TOOL_CALLS_TAG)
+                self._emit_content(text[pos : n - keep])
+                self._tail = text[n - keep :]
+                return -1
+            body = skip_ws(text, start + len(TOOL_CALLS_TAG))
+            if body < n and text[body] != "[" and not _NAME_RUN.match(text, body).end() > body:
+                # Plainly not a call (SECTION would fail right here): skip the attempt.
+                self._emit_content(text[pos:body])
+                return body
+            self._emit_content(text[pos:start])
+            self._begin_attempt(start)
+            self._state = _State.SECTION
+            return start + len(TOOL_CALLS_TAG)
+        if state is _State.ELEMENT:
+            assert self._reader is not None
+            pos, status = self._reader.feed(text, pos)
+            if status is Status.NEED_MORE:
+                if final:
+                    self._stop(text, n, self._reader.committed)
+                return -1
+            self._reader, committed = None, self._reader.committed
+            if status is Status.FAILED:
+                return self._stop(text, pos, committed)
+            self._end_call()
+            self._state = _State.ARRAY_NEXT
+            return pos
+        if state is _State.NAME:
+            end = _NAME_RUN.match(text, pos).end()
+            self._name_parts.append(text[pos:end])
+            if end == n:
+                return self._out_of_text(text, final)
+            name = "".join(self._name_parts)
+            if text[end] != "[" or not name or not self.is_known_tool(name):
+                return self._stop(text, end, committed=False)
+            self._state, self._matched = _State.ARGS_TAG, 0
+            return end
+        if state is _State.ARGS_TAG:
+            while pos < n and self._matched < len(ARGS_TAG):
+                if text[pos] != ARGS_TAG[self._matched]:
+                    return self._stop(text, pos, committed=False)
+                pos += 1
+                self._matched += 1
+            if self._matched < len(ARGS_TAG):
+                return self._out_of_text(text, final)
+            self._state = _State.ARGS_OPEN
+            return pos
+        if state is _State.ARGS:
+            return self._scan_args(text, pos, final)
+        if state is _State.ARRAY_NEXT:
+            start = skip_ws(text, pos)
+            self._emit_content(text[pos:start])  # held: content only if the array ends early
+            if start == n:
+                return -1
+            self._state = _State.CONTENT  # unless another element follows
+            if text[start] == ",":
+                self._begin_attempt(start)  # a failed element gives its "," back as content
+                self._open_element()
+            elif text[start] == "]":
+                self._drop_held_ws()
+            return start + 1 if text[start] in ",]" else start
+        # The rest start at the next non-whitespace character.
+        pos = skip_ws(text, pos)
+        if pos == n:
+            return self._out_of_text(text, final)
+        ch = text[pos]
+        if state is _State.SECTION:
+            if ch == "[":
+                self._open_element()
+                return pos + 1
+            if _NAME_RUN.match(text, pos).end() > pos:
+                self._state, self._name_parts = _State.NAME, []
+                return pos
+            return self._stop(text, pos, committed=False)
+        # _State.ARGS_OPEN
+        if ch != "{":
+            return self._stop(text, pos, committed=False)
+        self._start_call("".join(self._name_parts))
+        self._scanner = JsonValueScanner(collect=True, require_object=True)
+        self._state = _State.ARGS
+        return pos
+
+    def _open_element(self) -> None:
+        self._reader = JsonCallReader(self.is_known_tool, self._start_call, self._emit_args)
+        self._state = _State.ELEMENT
+
+    def _scan_args(self, text: str, pos: int, final: bool) -> int:
+        assert self._scanner is not None
+        try:
+            end = self._scanner.feed(text, pos)
+        except JsonScanError as exc:
+            self._emit_args(self._scanner.take_output())
+            self._scanner = None
+            return self._stop(text, exc.pos, committed=True)
+        self._emit_args(self._scanner.take_output())
+        if end < 0:
+            if final:
+                self._stop(text, len(text), committed=True)
+            return -1
+        self._scanner = None
+        self._end_call()
+        self._state = _State.CONTENT
+        return end
+
+    def _out_of_text(self, text: str, final: bool) -> int:
+        """The text ran out before the call was announced: wait, or give it back at the end."""
+        if final:
+            self._stop(text, len(text), committed=False)
+        return -1
+
+    def _stop(self, text: str, pos: int, committed: bool) -> int:
+        """End the section at ``pos``: close the announced call, or give the attempt back as
+        content. Scanning goes on at text[pos] as content."""
+        if committed:
+            self._end_call()
+        else:
+            self._fail_attempt(text, pos)
+        self._state = _State.CONTENT
+        return pos

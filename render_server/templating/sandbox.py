@@ -1,0 +1,213 @@
+"""The jinja2 sandbox chat templates run in: transformers' globals and filters, plus size
+checks wherever one C call could build a huge value that no deadline can interrupt."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Callable, Iterable
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.compiler import CodeGenerator, Frame
+from jinja2.filters import do_format as _format_filter
+from jinja2.runtime import Context, LoopContext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from render_server.templating.errors import ChatTemplateError, ChatTemplateTooLarge
+
+_MAX_POWER_BITS = 1 << 16
+# Exact types whose attribute safety depends on the attribute name alone, so the sandbox's
+# answer can be remembered per (type, name).
+_PLAIN_ATTR_TYPES = frozenset({dict, list, tuple, str, int, float, bool, type(None), LoopContext})
+_MAX_REMEMBERED_ATTRS = 4096
+
+
+def _raise_exception(message: Any) -> None:
+    raise ChatTemplateError(str(message))
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # transformers' filter: jinja's own tojson escapes HTML characters, which templates don't want.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+class _TemplateDict:
+    """`dict(...)` for templates without exposing the dict type itself (as transformers does)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """jinja's namespace, refusing underscore names that reach into CPython internals."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        self, args = args[0], args[1:]  # jinja's signature trick, so namespace(self=...) works
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}` marks assistant spans for training masks; rendering keeps the body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Callable[[], str]) -> str:
+        return caller()
+
+
+class _BudgetCodeGenerator(CodeGenerator):
+    """Compiles `~` to a size-checked join; jinja has a hook for binary operators, not for `~`."""
+
+    def visit_Concat(self, node: jinja2.nodes.Concat, frame: Frame) -> None:
+        self.write("environment.checked_concat((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
+# Widths and precisions in printf-style and str.format specs: '%0999999999d', '{:>999999999}'.
+_PERCENT_SPEC = re.compile(r"%[#0 +\-]*(\d*)\.?(\d*)")
+_BRACE_SPEC = re.compile(r"\{[^{}]*?:([^{}]*)\}")
+
+
+def _format_widths(fmt: str) -> list[int]:
+    digits = [g for groups in _PERCENT_SPEC.findall(fmt) for g in groups if g]
+    digits += [d for spec in _BRACE_SPEC.findall(fmt) for d in re.findall(r"\d+", spec)]
+    return [int(d) if len(d) < 12 else 10**12 for d in digits]
+
+
+# What jinja passes ahead of the filtered value to pass_context/environment/eval_context filters.
+_PASSED_ARGS = (jinja2.Environment, Context, jinja2.nodes.EvalContext)
+
+
+class SandboxEnvironment(ImmutableSandboxedEnvironment):
+    """The immutable sandbox with transformers' globals, plus size checks wherever one C call
+    could build a huge value, which no deadline can interrupt: `'a' * 10**9`, `7 ** 10**8`,
+    doubling by `~` or `+`, and any call or filter given a count or width past the budget
+    (`'a'.ljust(10**9)`, `x | center(10**9)`, `'%0999999999d' % 1`)."""
+
+    code_generator_class = _BudgetCodeGenerator
+    intercepted_binops = frozenset({"+", "*", "**", "%"})
+
+    def __init__(self, max_value_chars: int) -> None:
+        super().__init__(
+            trim_blocks=True,
+            lstrip_blocks=True,
+            extensions=[jinja2.ext.loopcontrols, _GenerationTag],
+        )
+        self.max_value_chars = max_value_chars
+        self._safe_attrs: dict[tuple[type, str], bool] = {}
+        self.filters["tojson"] = _tojson
+        self.filters = {name: self._bounded_filter(fn) for name, fn in self.filters.items()}
+        self.globals.update(
+            raise_exception=_raise_exception,
+            strftime_now=_strftime_now,
+            dict=_TemplateDict(),
+            namespace=_Namespace,
+        )
+
+    def _check_size(self, size: int) -> None:
+        if size > self.max_value_chars:
+            raise ChatTemplateTooLarge(
+                f"chat template built a value of {size} items (the limit is {self.max_value_chars})"
+            )
+
+    def _check_ints(self, values: Iterable[Any]) -> None:
+        for value in values:
+            if isinstance(value, int):
+                self._check_size(value)
+
+    def _check_format(self, fmt: Any) -> None:
+        if isinstance(fmt, str):
+            self._check_ints(_format_widths(fmt))
+
+    def _bounded_filter(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)  # keeps jinja's pass_context/pass_environment marks
+        def bounded(*args: Any, **kwargs: Any) -> Any:
+            values = [a for a in args if not isinstance(a, _PASSED_ARGS)]
+            if fn is _format_filter and values:
+                self._check_format(values[0])
+            self._check_ints([*values[1:], *kwargs.values()])  # the filtered value may be big
+            return fn(*args, **kwargs)
+
+        return bounded
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        kind = type(obj)
+        if kind not in _PLAIN_ATTR_TYPES:
+            return super().is_safe_attribute(obj, attr, value)
+        key = (kind, attr)
+        safe = self._safe_attrs.get(key)
+        if safe is None:
+            safe = super().is_safe_attribute(obj, attr, value)
+            if len(self._safe_attrs) < _MAX_REMEMBERED_ATTRS:  # names come from templates
+                self._safe_attrs[key] = safe
+        return safe
+
+    def call(__self, __context: Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        __self._check_ints([*args, *kwargs.values()])
+        # The sandbox's str.format wrapper keeps the format string as __wrapped__.__self__.
+        __self._check_format(getattr(getattr(__obj, "__wrapped__", None), "__self__", None))
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "+" and type(left) is str and type(right) is str:  # most of any template
+            if len(left) + len(right) > self.max_value_chars:
+                self._check_size(len(left) + len(right))
+            return left + right
+        sized = (str, list, tuple)
+        if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
+            if abs(left).bit_length() * right > _MAX_POWER_BITS:
+                raise ChatTemplateTooLarge("chat template computed a number too large to hold")
+        elif operator == "*":
+            for seq, count in ((left, right), (right, left)):
+                if isinstance(seq, sized) and isinstance(count, int):
+                    self._check_size(len(seq) * count)
+        elif operator == "+" and isinstance(left, sized) and isinstance(right, sized):
+            self._check_size(len(left) + len(right))
+        elif operator == "%":
+            self._check_format(left)
+        return super().call_binop(context, operator, left, right)
+
+    def checked_concat(self, values: tuple[Any, ...]) -> str:
+        parts = [str(value) for value in values]
+        self._check_size(sum(map(len, parts)))
+        return "".join(parts)

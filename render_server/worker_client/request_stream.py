@@ -1,0 +1,168 @@
+"""One request's deltas from a worker, for a single consumer; and the error it ends with.
+
+The pool pushes deltas as frames arrive (`_push`, `_fail`); the consumer iterates, and deltas
+that queued up while it was busy come merged into one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Literal, Protocol
+
+from shared.protocol import FinishReason, Generate, RequestDelta
+
+WorkerErrorCode = Literal["rejected", "worker_lost", "no_workers", "timeout"]
+
+
+class WorkerError(Exception):
+    """A request or the pool could not be served by a worker.
+
+    `code` is "rejected" (the worker refused the request; `reject_code` says why),
+    "worker_lost" (its worker stopped answering), "no_workers" (none is usable) or
+    "timeout".
+    """
+
+    def __init__(
+        self, code: WorkerErrorCode, message: str, *, reject_code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.reject_code = reject_code
+
+
+class StreamOwner(Protocol):
+    """The worker link a stream runs on: where an Abort goes."""
+
+    address: str
+
+    def abort(self, request_id: str) -> None: ...
+
+
+def _merge(into: RequestDelta, new: RequestDelta) -> None:
+    """Fold a later delta of the same request into one the consumer has not taken yet."""
+    into.new_token_ids.extend(new.new_token_ids)
+    if new.logprobs is not None:
+        if into.logprobs is None:
+            into.logprobs = new.logprobs
+        else:
+            into.logprobs.extend(new.logprobs)
+    if new.finish_reason is not None:
+        into.finish_reason = new.finish_reason
+        into.stop_token_id = new.stop_token_id
+    if new.num_prompt_tokens:
+        into.num_prompt_tokens = new.num_prompt_tokens
+    if new.num_cached_tokens:
+        into.num_cached_tokens = new.num_cached_tokens
+    if new.error is not None:
+        into.error = new.error
+    if into.queue_time is None:
+        into.queue_time = new.queue_time  # only a request's first delta carries it
+
+
+class RequestStream:
+    """The deltas of one request, in order, for a single consumer.
+
+    Iterate it (`async for delta in stream`); deltas that queued up while the consumer
+    was busy come merged into one. Iteration ends after the delta carrying
+    `finish_reason` and raises `WorkerError` if the worker rejected the request or was
+    lost. Leaving the iteration early, being cancelled, `abort()` or leaving
+    `async with stream:` sends Abort if the request is still running.
+
+    `request` and `output_token_ids` (everything received so far, consumed or not) are
+    what a resend elsewhere needs: see `render_server.worker_client.routing.continuation`.
+    """
+
+    def __init__(self, request: Generate, link: StreamOwner) -> None:
+        self.request_id = request.request_id
+        self.worker_address = link.address
+        self.request = request
+        self.output_token_ids: list[int] = []
+        self.num_queue_full = 0
+        """Workers that refused it with a full queue (each is tried at most once)."""
+        self.finish_reason: FinishReason | None = None
+        self._link = link
+        self._pending: deque[RequestDelta] = deque()
+        self._error: WorkerError | None = None
+        self._ended = False  # nothing more will be pushed: finished, failed or aborted
+        self._waiter: asyncio.Future[None] | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        """The worker is done with it (finished, rejected, lost or aborted)."""
+        return self._ended
+
+    async def __aiter__(self) -> AsyncIterator[RequestDelta]:
+        try:
+            while True:
+                if self._pending:
+                    delta = self._take()
+                    yield delta
+                    if delta.finish_reason is not None:
+                        return
+                elif self._error is not None:
+                    raise self._error
+                elif self._ended:
+                    return
+                else:
+                    self._waiter = asyncio.get_running_loop().create_future()
+                    try:
+                        await self._waiter
+                    finally:
+                        self._waiter = None
+        finally:
+            # A cancelled consumer lands here at once; an early `break` or an exception in
+            # the consumer's loop body when the abandoned generator is closed or collected.
+            self._cancel()
+
+    async def abort(self) -> None:
+        """Stop the request on the worker; iteration then ends with finish_reason "abort"."""
+        self._cancel()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._cancel()
+
+    # ---- called by the pool -----------------------------------------------------------
+
+    def push(self, delta: RequestDelta) -> None:
+        self._pending.append(delta)
+        self.output_token_ids.extend(delta.new_token_ids)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self._ended = True
+        self._wake()
+
+    def fail(self, error: WorkerError) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        self._error = error
+        self._wake()
+
+    def _cancel(self) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        self.finish_reason = "abort"
+        self._link.abort(self.request_id)
+        self._pending.append(
+            RequestDelta(request_id=self.request_id, new_token_ids=[], finish_reason="abort")
+        )
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _take(self) -> RequestDelta:
+        pending = self._pending
+        delta = pending.popleft()
+        while pending:
+            _merge(delta, pending.popleft())
+        return delta

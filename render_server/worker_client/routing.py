@@ -1,0 +1,165 @@
+"""Where a request goes: least outstanding work, with prefix-cache affinity.
+
+Pure functions and one small LRU map, no sockets, so the policy is tested in
+milliseconds (tests/unit/test_routing.py). `render_server.worker_client.pool` feeds them each
+worker's load and the prompt's prefix block hashes.
+
+The policy: a worker whose KV cache probably holds the longest prefix of the prompt is
+preferred, because a prefix hit saves the whole prefill of those tokens; but not when it
+is busier than the least-loaded worker by more than `margin`, because queueing behind a
+hot worker costs more than recomputing a prefix. `--routing round_robin` swaps it for
+plain rotation, so a benchmark can measure what the affinity is worth.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import msgspec
+
+from shared.hashing import BlockHash, prefix_block_hashes
+from shared.protocol import Generate
+
+AFFINITY_MAX_BLOCKS = 64
+"""Only the first blocks of a prompt are hashed: enough to tell shared system prompts and
+conversations apart, cheap enough (~64 BLAKE2b calls) to do on every request."""
+AFFINITY_CAPACITY = 200_000
+"""Entries of the hash -> worker map (~16 MB at most)."""
+AFFINITY_MARGIN = 4
+"""How much busier than the least-loaded worker the prefix holder may be and still win."""
+
+RoutingMode = Literal["prefix", "round_robin"]
+"""`prefix`: least load with prefix-cache affinity (`choose_worker`, the default).
+`round_robin`: each live worker in turn, blind to load and prefixes; the baseline a
+benchmark compares prefix-aware routing against."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """One candidate worker as the router sees it."""
+
+    key: str
+    """The worker's address; also what the affinity map stores."""
+    outstanding: int
+    """Requests this render process has in flight on the worker."""
+    running: int = 0
+    """From the worker's last heartbeat (all render processes together)."""
+    waiting: int = 0
+
+    @property
+    def load(self) -> int:
+        return self.outstanding + self.running + self.waiting
+
+
+def choose_worker(
+    candidates: Sequence[WorkerLoad],
+    *,
+    preferred: str | None = None,
+    margin: int = AFFINITY_MARGIN,
+    rotation: int = 0,
+) -> int:
+    """Index in `candidates` of the worker to send a request to.
+
+    `preferred` is the worker holding the prompt's longest known prefix; it wins unless
+    its load exceeds the least load by more than `margin`. Ties on load go to the worker
+    with fewer of our own requests, then rotate by `rotation`, so an idle pool is still
+    spread evenly instead of always filling the first worker.
+    """
+    if not candidates:
+        raise ValueError("no candidate workers")
+    count = len(candidates)
+    best = 0
+    best_rank: tuple[int, int, int] | None = None
+    for i, worker in enumerate(candidates):
+        rank = (worker.load, worker.outstanding, (i - rotation) % count)
+        if best_rank is None or rank < best_rank:
+            best, best_rank = i, rank
+    if preferred is not None:
+        least = candidates[best].load
+        for i, worker in enumerate(candidates):
+            if worker.key == preferred:
+                return i if worker.load <= least + margin else best
+    return best
+
+
+def round_robin(count: int, rotation: int) -> int:
+    """Index of the worker whose turn it is among `count` candidates."""
+    if count < 1:
+        raise ValueError("no candidate workers")
+    return rotation % count
+
+
+class PrefixAffinity:
+    """Bounded LRU map from prefix block hash to the worker that prefix was last sent to.
+
+    Block hashes chain (each covers its whole prefix), so the deepest hash of a prompt
+    found in the map names the worker that saw the longest matching prefix.
+    """
+
+    def __init__(self, capacity: int = AFFINITY_CAPACITY) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be at least 1")
+        self.capacity = capacity
+        self._workers: OrderedDict[BlockHash, str] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def longest_match(self, hashes: Sequence[BlockHash]) -> tuple[str | None, int]:
+        """(worker, number of leading blocks it saw) for the deepest known hash."""
+        for depth in range(len(hashes), 0, -1):
+            worker = self._workers.get(hashes[depth - 1])
+            if worker is not None:
+                return worker, depth
+        return None, 0
+
+    def record(self, hashes: Sequence[BlockHash], worker: str) -> None:
+        """Remember that every prefix in `hashes` now lives on `worker`."""
+        workers = self._workers
+        for block_hash in hashes:
+            workers[block_hash] = worker
+            workers.move_to_end(block_hash)
+        while len(workers) > self.capacity:
+            workers.popitem(last=False)
+
+
+def affinity_hashes(request: Generate, block_size: int) -> list[BlockHash]:
+    """The prefix block hashes routing uses for a request (its first blocks only)."""
+    return prefix_block_hashes(
+        request.prompt_token_ids,
+        block_size=block_size,
+        cache_salt=request.cache_salt,
+        max_blocks=AFFINITY_MAX_BLOCKS,
+    )
+
+
+def continuation(request: Generate, output_token_ids: Sequence[int]) -> Generate:
+    """The Generate that resumes `request` elsewhere after `output_token_ids` were produced.
+
+    The tokens so far join the prompt and the budgets shrink by as many, so the client's
+    stream goes on where it stopped (token for token under greedy sampling; a seeded or
+    penalized request continues plausibly, not identically).
+    """
+    if not output_token_ids:
+        return request
+    sampling = request.sampling
+    done = len(output_token_ids)
+    resumed = msgspec.structs.replace(
+        sampling,
+        max_tokens=max(1, sampling.max_tokens - done),
+        min_tokens=max(0, sampling.min_tokens - done),
+    )
+    constraint = request.constraint
+    if constraint is not None:  # the new worker's matcher first consumes what was generated
+        constraint = msgspec.structs.replace(
+            constraint, num_resumed_tokens=constraint.num_resumed_tokens + done
+        )
+    return msgspec.structs.replace(
+        request,
+        prompt_token_ids=[*request.prompt_token_ids, *output_token_ids],
+        sampling=resumed,
+        constraint=constraint,
+    )

@@ -154,6 +154,33 @@ class RequestDelta(msgspec.Struct, array_like=True, forbid_unknown_fields=True, 
     """Seconds between the worker receiving the request and its first step (first delta)."""
 
 
+def merge_delta(into: RequestDelta, new: RequestDelta) -> None:
+    """Fold a later delta of the same request into one not yet delivered.
+
+    The one rule for coalescing, used by the worker (a client's full pipe) and the render
+    tier (a busy consumer): tokens and logprobs append; a finish (with its stop token), a
+    prompt or cache count and an error take the later value; `queue_time` keeps the first
+    value set, as only a request's first delta carries it.
+    """
+    into.new_token_ids.extend(new.new_token_ids)
+    if new.logprobs is not None:
+        if into.logprobs is None:
+            into.logprobs = new.logprobs
+        else:
+            into.logprobs.extend(new.logprobs)
+    if new.finish_reason is not None:
+        into.finish_reason = new.finish_reason
+        into.stop_token_id = new.stop_token_id
+    if new.num_prompt_tokens:
+        into.num_prompt_tokens = new.num_prompt_tokens
+    if new.num_cached_tokens:
+        into.num_cached_tokens = new.num_cached_tokens
+    if new.error is not None:
+        into.error = new.error
+    if into.queue_time is None:
+        into.queue_time = new.queue_time
+
+
 class Deltas(_Message, tag="deltas", kw_only=True):
     """Every new token of one engine step for one render client."""
 

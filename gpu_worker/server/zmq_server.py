@@ -41,6 +41,7 @@ from shared.protocol import (
     RequestDelta,
     Welcome,
     WorkerStats,
+    merge_delta,
 )
 from shared.transport import bound_endpoint, make_router
 
@@ -78,18 +79,6 @@ class _Client:
     request_ids: set[str] = field(default_factory=set)
     sends_heartbeats: bool = False
     """It has sent a ClientHeartbeat, so its silence means it is gone."""
-
-
-def merge_delta(into: RequestDelta, new: RequestDelta) -> None:
-    """Fold a later step's delta for the same request into one not yet sent."""
-    into.new_token_ids.extend(new.new_token_ids)
-    if new.logprobs is not None:
-        into.logprobs = (into.logprobs or []) + new.logprobs
-    into.finish_reason = new.finish_reason or into.finish_reason
-    into.stop_token_id = new.stop_token_id if new.finish_reason else into.stop_token_id
-    into.num_prompt_tokens = new.num_prompt_tokens or into.num_prompt_tokens
-    into.num_cached_tokens = new.num_cached_tokens or into.num_cached_tokens
-    into.error = new.error or into.error
 
 
 class _Outbox:

@@ -425,8 +425,7 @@ class WorkerPool:
         if not links:
             return False
         target = links[choose_worker([candidate.load() for candidate in links])]
-        stream._link = target
-        stream.worker_address = target.address
+        stream.move_to(target)
         target.streams[stream.request_id] = stream
         target.send(continuation(stream.request, stream.output_token_ids))
         self.failovers += 1

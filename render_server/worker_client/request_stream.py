@@ -1,7 +1,8 @@
 """One request's deltas from a worker, for a single consumer; and the error it ends with.
 
-The pool pushes deltas as frames arrive (`_push`, `_fail`); the consumer iterates, and deltas
-that queued up while it was busy come merged into one.
+The pool pushes deltas as frames arrive (`push`, `fail`) and moves a stream to another
+worker on failover (`move_to`); the consumer iterates, and deltas that queued up while it
+was busy come merged into one (`shared.protocol.merge_delta`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Literal, Protocol
 
-from shared.protocol import FinishReason, Generate, RequestDelta
+from shared.protocol import FinishReason, Generate, RequestDelta, merge_delta
 
 WorkerErrorCode = Literal["rejected", "worker_lost", "no_workers", "timeout"]
 
@@ -39,27 +40,6 @@ class StreamOwner(Protocol):
     address: str
 
     def abort(self, request_id: str) -> None: ...
-
-
-def _merge(into: RequestDelta, new: RequestDelta) -> None:
-    """Fold a later delta of the same request into one the consumer has not taken yet."""
-    into.new_token_ids.extend(new.new_token_ids)
-    if new.logprobs is not None:
-        if into.logprobs is None:
-            into.logprobs = new.logprobs
-        else:
-            into.logprobs.extend(new.logprobs)
-    if new.finish_reason is not None:
-        into.finish_reason = new.finish_reason
-        into.stop_token_id = new.stop_token_id
-    if new.num_prompt_tokens:
-        into.num_prompt_tokens = new.num_prompt_tokens
-    if new.num_cached_tokens:
-        into.num_cached_tokens = new.num_cached_tokens
-    if new.error is not None:
-        into.error = new.error
-    if into.queue_time is None:
-        into.queue_time = new.queue_time  # only a request's first delta carries it
 
 
 class RequestStream:
@@ -137,6 +117,11 @@ class RequestStream:
             self._ended = True
         self._wake()
 
+    def move_to(self, link: StreamOwner) -> None:
+        """Continue on another worker (failover): later deltas and the Abort go there."""
+        self._link = link
+        self.worker_address = link.address
+
     def fail(self, error: WorkerError) -> None:
         if self._ended:
             return
@@ -164,5 +149,5 @@ class RequestStream:
         pending = self._pending
         delta = pending.popleft()
         while pending:
-            _merge(delta, pending.popleft())
+            merge_delta(delta, pending.popleft())
         return delta

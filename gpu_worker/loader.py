@@ -32,6 +32,7 @@ from gpu_worker.ops.gguf_linear import (
     quantized_kernels_available,
 )
 from gpu_worker.ops.layer_ops import LayerOps
+from shared.gguf_metadata import GGUFMetadata, read_gguf_metadata
 from shared.model_source import ModelSource
 
 _MODEL_TYPE_TO_ARCH = {
@@ -106,44 +107,56 @@ def iter_hf_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _gguf_tensor_values(meta: GGUFMetadata, name: str) -> list[float]:
+    """A (small) tensor's values, read from the file at its offset in the header."""
+    info = meta.tensors[name]
+    qtype = gguf.GGMLQuantizationType(info.ggml_type)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    num_bytes = int(np.prod(info.shape)) // block_size * type_size
+    raw = np.fromfile(meta.path, dtype=np.uint8, count=num_bytes, offset=info.offset)
+    return gguf.quants.dequantize(raw, qtype).ravel().tolist()
 
 
-def config_from_gguf(reader: gguf.GGUFReader) -> ModelConfig:
-    """ModelConfig from a GGUF file's `{arch}.*` metadata and its tensor list."""
-    arch = _field(reader, "general.architecture")
+def _required(value: int | None, meta: GGUFMetadata, key: str) -> int:
+    if value is None:
+        raise ValueError(f"{meta.path.name}: GGUF metadata lacks {key}")
+    return value
+
+
+def config_from_gguf(meta: GGUFMetadata) -> ModelConfig:
+    """ModelConfig from a GGUF file's `{arch}.*` metadata and its tensor table."""
+    arch = meta.string("general.architecture")
     if arch not in ("llama", "qwen2"):
         raise NotImplementedError(f"GGUF architecture {arch!r} is not supported")
-    tensors = {t.name: t for t in reader.tensors}
-    hidden = _field(reader, f"{arch}.embedding_length")
-    num_heads = _field(reader, f"{arch}.attention.head_count")
-    vocab = _field(reader, f"{arch}.vocab_size")
+
+    def integer(key: str) -> int:
+        return _required(meta.integer(f"{arch}.{key}"), meta, f"{arch}.{key}")
+
+    hidden = integer("embedding_length")
+    num_heads = integer("attention.head_count")
+    vocab = meta.integer(f"{arch}.vocab_size")
     if vocab is None:  # older files: the embedding matrix says it (gguf shapes are reversed)
-        vocab = int(tensors["token_embd.weight"].shape[-1])
+        vocab = meta.tensors["token_embd.weight"].shape[-1]
     freq_factors = None
-    if "rope_freqs.weight" in tensors:
-        t = tensors["rope_freqs.weight"]
-        freq_factors = tuple(gguf.quants.dequantize(t.data, t.tensor_type).ravel().tolist())
-    is_qwen2 = arch == "qwen2"
+    if "rope_freqs.weight" in meta.tensors:
+        freq_factors = tuple(_gguf_tensor_values(meta, "rope_freqs.weight"))
     return ModelConfig(
         architecture=arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=_field(reader, f"{arch}.feed_forward_length"),
-        num_layers=_field(reader, f"{arch}.block_count"),
+        intermediate_size=integer("feed_forward_length"),
+        num_layers=integer("block_count"),
         num_heads=num_heads,
-        num_kv_heads=_field(reader, f"{arch}.attention.head_count_kv", num_heads),
-        head_dim=_field(reader, f"{arch}.attention.key_length", hidden // num_heads),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=_field(reader, f"{arch}.context_length", 2048),
-        tie_word_embeddings="output.weight" not in tensors,
+        num_kv_heads=meta.integer(f"{arch}.attention.head_count_kv", num_heads),
+        head_dim=meta.integer(f"{arch}.attention.key_length", hidden // num_heads),
+        rms_norm_eps=meta.number(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=meta.number(f"{arch}.rope.freq_base", 10000.0),
+        max_position_embeddings=meta.integer(f"{arch}.context_length", 2048),
+        tie_word_embeddings="output.weight" not in meta.tensors,
         rope_freq_factors=freq_factors,
-        attention_bias=is_qwen2,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=_ids(_field(reader, "tokenizer.ggml.eos_token_id")),
+        attention_bias=arch == "qwen2",
+        bos_token_id=meta.integer("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_ids(meta.get("tokenizer.ggml.eos_token_id")),
     )
 
 
@@ -246,7 +259,7 @@ def iter_gguf_weights(
 def load_config(source: ModelSource) -> ModelConfig:
     """The config alone (cheap for HF; a GGUF file's header must still be parsed)."""
     if source.kind == "gguf":
-        return config_from_gguf(gguf.GGUFReader(source.path))
+        return config_from_gguf(read_gguf_metadata(source.path))
     return config_from_hf(json.loads((source.path / "config.json").read_text()))
 
 
@@ -266,8 +279,8 @@ def load_model(
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if source.kind == "gguf":
-        reader = gguf.GGUFReader(source.path)
-        config = config_from_gguf(reader)
+        config = config_from_gguf(read_gguf_metadata(source.path))
+        reader = gguf.GGUFReader(source.path)  # for the tensors alone
         weights = iter_gguf_weights(reader, config)
     else:
         config = config_from_hf(json.loads((source.path / "config.json").read_text()))

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from typing import Any
 
+from shared.gguf_metadata import read_gguf_metadata
 from shared.model_source import ModelSource
 
 
-def digest_gguf_metadata(metadata: dict[str, Any]) -> str:
+def digest_gguf_metadata(metadata: Mapping[str, Any]) -> str:
     """Digest of a GGUF file's `tokenizer.*` fields (all metadata may be passed)."""
     fields = {
         name: value
@@ -34,10 +36,7 @@ def digest_tokenizer_json(content: bytes) -> str:
 def tokenizer_digest(source: ModelSource) -> str:
     """Hex SHA-256 identifying the model's vocabulary and special tokens."""
     if source.kind == "gguf":
-        import gguf
-
-        reader = gguf.GGUFReader(source.path)
-        return digest_gguf_metadata({n: f.contents() for n, f in reader.fields.items()})
+        return digest_gguf_metadata(read_gguf_metadata(source.path).fields)
     tokenizer_json = source.path / "tokenizer.json"
     if not tokenizer_json.is_file():
         raise FileNotFoundError(f"{source.path} has no tokenizer.json")

@@ -26,8 +26,6 @@ GGUF vocabulary decoded byte-level) without the `tokenizers` package.
 from __future__ import annotations
 
 import logging
-import mmap
-import struct
 import threading
 from pathlib import Path
 
@@ -37,6 +35,7 @@ import torch
 
 from shared.byte_level import unicode_to_bytes
 from shared.constraints import ConstraintError, new_matcher
+from shared.gguf_metadata import GGUFError, read_gguf_metadata
 from shared.model_source import ModelSource
 from shared.protocol import Constraint
 
@@ -266,12 +265,16 @@ def lltokenizer_from_source(
 def _lltokenizer_from_gguf(
     path: Path, vocab_size: int, eos_token_ids: list[int]
 ) -> llguidance.LLTokenizer:
-    fields = _gguf_metadata(path, _GGUF_VOCAB_KEYS)
-    kind = fields.get("tokenizer.ggml.model")
+    try:
+        # Only the four keys it needs: the merges, a second ~100k strings, are stepped over.
+        meta = read_gguf_metadata(path, _GGUF_VOCAB_KEYS)
+    except GGUFError as exc:
+        raise ConstraintError(str(exc)) from exc
+    kind = meta.string("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ConstraintError(f"structured outputs need a byte-level BPE vocabulary, not {kind!r}")
-    tokens: list[str] = fields["tokenizer.ggml.tokens"]
-    token_types: list[int] = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    tokens = meta.strings("tokenizer.ggml.tokens")
+    token_types = meta.integers("tokenizer.ggml.token_type") or [1] * len(tokens)
     byte_of = unicode_to_bytes()
     token_bytes: list[bytes] = []
     special: list[int] = []
@@ -287,7 +290,7 @@ def _lltokenizer_from_gguf(
         token_bytes,
         special,
         eos_token_ids[0] if eos_token_ids else 0,
-        fields.get("tokenizer.ggml.bos_token_id"),
+        meta.integer("tokenizer.ggml.bos_token_id"),
     )
     return llguidance.LLTokenizer(
         llguidance.TokenizerWrapper(vocab), n_vocab=vocab_size, eos_token=eos_token_ids
@@ -302,61 +305,6 @@ _GGUF_VOCAB_KEYS = frozenset(
         "tokenizer.ggml.bos_token_id",
     }
 )
-# GGUF value type -> struct format of a scalar; 8 is a string, 9 an array.
-_GGUF_SCALARS = {
-    0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"
-}  # fmt: skip
-
-
-def _gguf_metadata(path: Path, keys: frozenset[str]) -> dict[str, object]:
-    """The metadata values named in `keys`, read straight from the header.
-
-    gguf.GGUFReader would take seconds here: it builds a numpy view per array element, and
-    a vocabulary is ~100k of them. This walks the key-value section once with `struct`.
-    """
-    with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        if data[:4] != b"GGUF":
-            raise ConstraintError(f"{path.name} is not a GGUF file")
-        (version,) = struct.unpack_from("<I", data, 4)
-        if version < 2:
-            raise ConstraintError(f"{path.name}: GGUF v{version} is not supported")
-        (num_kv,) = struct.unpack_from("<Q", data, 16)
-        offset = 24
-        found: dict[str, object] = {}
-
-        def string(at: int) -> tuple[str, int]:
-            (length,) = struct.unpack_from("<Q", data, at)
-            return data[at + 8 : at + 8 + length].decode("utf-8", "replace"), at + 8 + length
-
-        def value(kind: int, at: int, keep: bool) -> tuple[object, int]:
-            if kind == 8:
-                return string(at)
-            if kind == 9:
-                item_kind, count = struct.unpack_from("<IQ", data, at)
-                at += 12
-                if item_kind in _GGUF_SCALARS:
-                    fmt = _GGUF_SCALARS[item_kind]
-                    size = struct.calcsize(fmt)
-                    items = list(struct.unpack_from(f"<{count}{fmt}", data, at)) if keep else None
-                    return items, at + size * count
-                items = []
-                for _ in range(count):
-                    item, at = value(item_kind, at, keep)
-                    if keep:
-                        items.append(item)
-                return items, at
-            fmt = _GGUF_SCALARS[kind]
-            return struct.unpack_from(f"<{fmt}", data, at)[0], at + struct.calcsize(fmt)
-
-        for _ in range(num_kv):
-            key, offset = string(offset)
-            (kind,) = struct.unpack_from("<I", data, offset)
-            item, offset = value(kind, offset + 4, key in keys)
-            if key in keys:
-                found[key] = item
-                if len(found) == len(keys):
-                    break
-        return found
 
 
 class _GreedyVocab:

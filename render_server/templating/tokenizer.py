@@ -24,6 +24,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as HFTokenizer
 
 from shared.byte_level import bytes_to_unicode
+from shared.gguf_metadata import GGUFError, GGUFMetadata, read_gguf_metadata
 from shared.model_source import ModelSource
 from shared.tokenizer_digest import digest_gguf_metadata, digest_tokenizer_json
 
@@ -291,27 +292,24 @@ def _add_named_special_tokens(hf: HFTokenizer, tokens: Sequence[str | None]) -> 
         hf.add_tokens([AddedToken(token, special=True, normalized=False) for token in missing])
 
 
-def _gguf_metadata(path: Path) -> dict[str, Any]:
-    import gguf  # the worker reads weights with it too; import here to keep startup light
-
+def _gguf_metadata(path: Path) -> GGUFMetadata:
     try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, OSError) as exc:
+        return read_gguf_metadata(path)
+    except (GGUFError, OSError) as exc:
         raise TokenizerLoadError(f"cannot read GGUF file {path}: {exc}") from exc
-    return {name: field.contents() for name, field in reader.fields.items()}
 
 
 def _from_gguf(path: Path, piece_cache_bytes: int) -> Tokenizer:
     meta = _gguf_metadata(path)
-    kind = meta.get("tokenizer.ggml.model")
+    kind = meta.string("tokenizer.ggml.model")
     if kind != "gpt2":
         raise TokenizerLoadError(
             f"{path.name}: GGUF tokenizer model {kind!r} is not supported; only byte-level BPE "
             "('gpt2', as in SmolLM2, Llama 3 and Qwen2). Serve the model from an HF directory "
             "with a tokenizer.json instead."
         )
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    tokens = meta.strings("tokenizer.ggml.tokens")
+    token_types = meta.integers("tokenizer.ggml.token_type") or [1] * len(tokens)
     spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
 
@@ -320,7 +318,7 @@ def _from_gguf(path: Path, piece_cache_bytes: int) -> Tokenizer:
         token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode()): index
         for index, token in enumerate(tokens)
     }
-    merges = [tuple(merge.split(" ")) for merge in meta.get("tokenizer.ggml.merges", [])]
+    merges = [tuple(merge.split(" ")) for merge in meta.strings("tokenizer.ggml.merges")]
     hf = HFTokenizer(
         models.BPE(
             vocab=vocab,
@@ -331,7 +329,7 @@ def _from_gguf(path: Path, piece_cache_bytes: int) -> Tokenizer:
             fuse_unk=False,
         )
     )
-    split = _PRE_TOKENIZER_SPLITS.get(meta.get("tokenizer.ggml.pre", ""))
+    split = _PRE_TOKENIZER_SPLITS.get(meta.string("tokenizer.ggml.pre", ""))
     if split is None:
         hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
@@ -359,7 +357,7 @@ def _from_gguf(path: Path, piece_cache_bytes: int) -> Tokenizer:
     hf.add_tokens(user_defined)
 
     def named(key: str) -> str | None:
-        token_id = meta.get(f"tokenizer.ggml.{key}")
+        token_id = meta.integer(f"tokenizer.ggml.{key}")
         return tokens[token_id] if token_id is not None and token_id < len(tokens) else None
 
     bos, eos = named("bos_token_id"), named("eos_token_id")
@@ -369,21 +367,21 @@ def _from_gguf(path: Path, piece_cache_bytes: int) -> Tokenizer:
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
     _set_post_processor(hf, bos if add_bos else None, eos if add_eos else None)
 
-    arch = meta.get("general.architecture", "")
+    arch = meta.string("general.architecture", "")
     # End-of-turn and end-of-message ids stop generation too (Llama 3's <|eot_id|>, <|eom_id|>).
-    stop_ids = [meta.get(f"tokenizer.ggml.{key}") for key in ("eot_token_id", "eom_token_id")]
+    stop_ids = [meta.integer(f"tokenizer.ggml.{key}") for key in ("eot_token_id", "eom_token_id")]
     return Tokenizer(
         hf,
-        vocab_size=int(meta.get(f"{arch}.vocab_size", len(tokens))),
+        vocab_size=meta.integer(f"{arch}.vocab_size", len(tokens)),
         bos_token=bos,
         eos_token=eos,
         extra_eos_token_ids=[i for i in stop_ids if i is not None],
-        chat_template=meta.get("tokenizer.chat_template"),
-        max_model_len=int(meta.get(f"{arch}.context_length", DEFAULT_MAX_MODEL_LEN)),
+        chat_template=meta.string("tokenizer.chat_template"),
+        max_model_len=meta.integer(f"{arch}.context_length", DEFAULT_MAX_MODEL_LEN),
         add_bos_token=add_bos,
         unk_token=unk,
         pad_token=pad,
-        digest=digest_gguf_metadata(meta),
+        digest=digest_gguf_metadata(meta.fields),
         piece_cache_bytes=piece_cache_bytes,
     )
 

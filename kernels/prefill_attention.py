@@ -20,6 +20,7 @@ tokens. The grid depends only on shapes (CUDA-graph safe) and needs no host sync
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import triton
@@ -39,10 +40,13 @@ _PREFILL_CONFIGS = [
 ]
 
 
-def _prune_configs(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+def _prune_configs(
+    configs: list[triton.Config], named_args: dict[str, Any], **kwargs: Any
+) -> list[triton.Config]:
     """A 128-row tile needs 8 warps (its fp32 accumulator spills with 4); a tile of 32 rows or
     fewer (decodes, short chunks) gains nothing from 8."""
     block_m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M"))
+    assert block_m is not None, "BLOCK_M is a launch argument of every prefill kernel"
     if block_m >= 128:
         return [c for c in configs if c.num_warps == 8]
     if block_m <= 32:

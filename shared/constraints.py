@@ -29,6 +29,7 @@ import llguidance
 from shared.protocol import Constraint
 
 if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # defined in the stub, not exported
     from tokenizers import Tokenizer as HFTokenizer
 
 MAX_CHOICES = 1024
@@ -56,7 +57,7 @@ nested schemas, 2,000-value enums and bounded repeats like [0-9]{1,1000} still c
 
 # Compact, fixed whitespace: a small model given free whitespace may fill its budget with
 # newlines before closing the object. `x-guidance` in a schema can override this.
-JSON_OPTIONS: llguidance.JsonCompileOptions = {
+JSON_OPTIONS: JsonCompileOptions = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",

@@ -8,7 +8,7 @@ their bodies with `error_body`. Nothing here ever puts a traceback in a response
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -64,7 +64,7 @@ def error_body(
 
 
 def error_response(
-    status_code: int, info: ErrorInfo, headers: dict[str, str] | None = None
+    status_code: int, info: ErrorInfo, headers: Mapping[str, str] | None = None
 ) -> JSONResponse:
     """A JSONResponse carrying the OpenAI error body."""
     return JSONResponse(

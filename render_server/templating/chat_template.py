@@ -193,7 +193,9 @@ def _parse_tool_arguments(message: dict[str, Any]) -> None:
     (they `tojson` it), so a string that parses to an object is replaced by it, as vLLM does."""
     for call in message.get("tool_calls") or []:
         function = call.get("function") if isinstance(call, dict) else None
-        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if not isinstance(function, dict):
+            continue
+        arguments = function.get("arguments")
         if isinstance(arguments, str):
             try:
                 parsed = json.loads(arguments)

@@ -41,7 +41,7 @@ router = APIRouter(tags=["tokenize"])
 _INLINE_MAX_CHARS = 16_384
 _INLINE_MAX_IDS = 4_096
 
-_ERRORS = {
+_ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid request"},
     404: {"model": ErrorResponse, "description": "Unknown model"},
 }

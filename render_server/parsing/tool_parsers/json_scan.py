@@ -30,7 +30,9 @@ _SHORT_ESCAPES = {"\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r", "\t": "\\t
 
 def skip_ws(text: str, pos: int) -> int:
     """Index of the first non-whitespace character of ``text`` at or after ``pos``."""
-    return _WS.match(text, pos).end()
+    match = _WS.match(text, pos)
+    assert match is not None  # "*" matches the empty string
+    return match.end()
 
 
 class JsonScanError(ValueError):
@@ -174,7 +176,9 @@ class JsonValueScanner:
                         if number not in _DIGIT_NEXT:  # a digit after a leading 0
                             raise JsonScanError(pos)
                         self._number = _DIGIT_NEXT[number]
-                        pos = _DIGITS.match(text, pos).end()
+                        digits = _DIGITS.match(text, pos)
+                        assert digits is not None  # text[pos] is a digit
+                        pos = digits.end()
                         continue
                     table = _DOT_NEXT if ch == "." else _EXP_NEXT if ch in "eE" else None
                     if ch in "+-":

@@ -29,6 +29,13 @@ ARGS_TAG = "[ARGS]"
 _NAME_RUN = re.compile(r"[A-Za-z0-9_.\-]*")
 
 
+def _name_end(text: str, pos: int) -> int:
+    """End of the run of name characters of ``text`` at ``pos`` (``pos`` if there are none)."""
+    match = _NAME_RUN.match(text, pos)
+    assert match is not None  # "*" matches the empty string
+    return match.end()
+
+
 class _State(Enum):
     CONTENT = 1
     SECTION = 2  # after [TOOL_CALLS]: "[" (a JSON array) or a name (the [ARGS] shape)
@@ -73,7 +80,7 @@ class MistralToolParser(ToolParser):
                 self._tail = text[n - keep :]
                 return -1
             body = skip_ws(text, start + len(TOOL_CALLS_TAG))
-            if body < n and text[body] != "[" and not _NAME_RUN.match(text, body).end() > body:
+            if body < n and text[body] != "[" and not _name_end(text, body) > body:
                 # Plainly not a call (SECTION would fail right here): skip the attempt.
                 self._emit_content(text[pos:body])
                 return body
@@ -88,14 +95,14 @@ class MistralToolParser(ToolParser):
                 if final:
                     self._stop(text, n, self._reader.committed)
                 return -1
-            self._reader, committed = None, self._reader.committed
+            committed, self._reader = self._reader.committed, None
             if status is Status.FAILED:
                 return self._stop(text, pos, committed)
             self._end_call()
             self._state = _State.ARRAY_NEXT
             return pos
         if state is _State.NAME:
-            end = _NAME_RUN.match(text, pos).end()
+            end = _name_end(text, pos)
             self._name_parts.append(text[pos:end])
             if end == n:
                 return self._out_of_text(text, final)
@@ -137,7 +144,7 @@ class MistralToolParser(ToolParser):
             if ch == "[":
                 self._open_element()
                 return pos + 1
-            if _NAME_RUN.match(text, pos).end() > pos:
+            if _name_end(text, pos) > pos:
                 self._state, self._name_parts = _State.NAME, []
                 return pos
             return self._stop(text, pos, committed=False)

@@ -84,7 +84,9 @@ class PythonicToolParser(ToolParser):
             self._emit_content(text[pos:])
             return -1
         if state is _State.NAME:
-            end = _NAME_RUN.match(text, pos).end()
+            name_run = _NAME_RUN.match(text, pos)
+            assert name_run is not None  # "*" matches the empty string
+            end = name_run.end()
             self._call.append(text[pos:end])
             if end == n:
                 return self._out_of_text(text, final)
@@ -224,7 +226,9 @@ class PythonicToolParser(ToolParser):
                 else:  # '' is an empty string; after a single quote, a string's first char
                     self._lex = _Lex.CODE if self._quotes == 2 else _Lex.SHORT
             elif lex is _Lex.COMMENT:
-                pos = _COMMENT_RUN.match(text, pos).end()
+                comment = _COMMENT_RUN.match(text, pos)
+                assert comment is not None  # "*" matches the empty string
+                pos = comment.end()
                 if pos < n:
                     self._lex = _Lex.CODE
             elif self._escape:

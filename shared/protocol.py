@@ -212,11 +212,14 @@ class Heartbeat(_Message, tag="heartbeat", kw_only=True):
     stats: WorkerStats
 
 
+RejectCode = Literal["invalid_request", "too_long", "queue_full", "duplicate", "protocol"]
+
+
 class Rejected(_Message, tag="rejected", kw_only=True):
     """The worker will not run this request."""
 
     request_id: RequestId
-    code: Literal["invalid_request", "too_long", "queue_full", "duplicate", "protocol"]
+    code: RejectCode
     message: ShortText
 
 

@@ -19,7 +19,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import zmq
 
@@ -35,15 +35,20 @@ from shared.protocol import (
     Heartbeat,
     Hello,
     ProtocolError,
+    RejectCode,
     Rejected,
     RenderMessageDecoder,
     RenderToWorker,
     RequestDelta,
     Welcome,
     WorkerStats,
+    WorkerToRender,
     merge_delta,
 )
 from shared.transport import bound_endpoint, make_router
+
+if TYPE_CHECKING:
+    from gpu_worker.runner.device import GpuReading
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +63,12 @@ class EngineCore(Protocol):
     def step(self) -> list[RequestDelta]: ...
     def has_unfinished_requests(self) -> bool: ...
     def stats(self) -> WorkerStats: ...
+
+
+class GpuReader(Protocol):
+    """A source of GPU memory and utilization samples (gpu_worker.runner.device.Nvml)."""
+
+    def read(self) -> GpuReading: ...
 
 
 @dataclass
@@ -85,11 +96,11 @@ class _Outbox:
     """Per-client messages waiting for the socket; Deltas coalesce per request."""
 
     def __init__(self) -> None:
-        self.control: deque[object] = deque()
+        self.control: deque[Welcome | Heartbeat | Rejected] = deque()
         self.deltas: dict[str, RequestDelta] = {}
         self.step = 0
 
-    def add(self, message: object) -> None:
+    def add(self, message: WorkerToRender) -> None:
         if isinstance(message, Deltas):
             self.step = message.step
             for delta in message.deltas:
@@ -129,7 +140,7 @@ class _IoThread(threading.Thread):
         self._router = router
         self._inbound = inbound
         self._counters = counters
-        self._outbound: queue.SimpleQueue[tuple[bytes, object]] = queue.SimpleQueue()
+        self._outbound: queue.SimpleQueue[tuple[bytes, WorkerToRender]] = queue.SimpleQueue()
         self._wake_address = f"inproc://duet-wake-{id(self)}"
         self._wake_pull = context.socket(zmq.PULL)
         self._wake_pull.bind(self._wake_address)
@@ -143,7 +154,7 @@ class _IoThread(threading.Thread):
         """When the main loop last finished an iteration (a hung engine stops heartbeats)."""
         self._clients: set[bytes] = set()
 
-    def send(self, identity: bytes, message: object) -> None:
+    def send(self, identity: bytes, message: WorkerToRender) -> None:
         """Queue a message for a client; called from the main thread only."""
         self._outbound.put((identity, message))
         self._wake_push.send(b"", zmq.NOBLOCK)
@@ -261,7 +272,7 @@ class WorkerServer:
         heartbeat_interval_s: float = 1.0,
         stall_limit_s: float = 60.0,
         client_timeout_s: float = 10.0,
-        gpu_reader: object | None = None,
+        gpu_reader: GpuReader | None = None,
     ) -> None:
         self.engine = engine
         self.worker_id = worker_id
@@ -400,7 +411,7 @@ class WorkerServer:
         self._owners[key] = (client.identity, request.request_id)
         client.request_ids.add(request.request_id)
 
-    def _reject(self, identity: bytes, request_id: str, code: str, message: str) -> None:
+    def _reject(self, identity: bytes, request_id: str, code: RejectCode, message: str) -> None:
         self._io.send(identity, Rejected(request_id=request_id, code=code, message=message))
 
     def _forget_client(self, identity: bytes) -> None:

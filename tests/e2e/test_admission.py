@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import signal
 import threading
-import time
 
 import httpx
 
 from tests.e2e.conftest import start_render
 from tests.helpers.processes import ServerProcess, WorkerProcess, stop_server
+from tests.helpers.waiting import wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -67,10 +67,7 @@ def assert_sigterm_drains(render: ServerProcess, max_tokens: int) -> None:
         except httpx.TransportError:  # with --processes, a process closing its connections
             return False
 
-    deadline = time.monotonic() + 5
-    while not ready_is_503():
-        assert time.monotonic() < deadline, "/ready did not turn 503"
-        time.sleep(0.05)
+    wait_until(ready_is_503, 5, "/ready to turn 503")
     refused = httpx.post(f"{render.base_url}/v1/chat/completions", json=_body(4, False), timeout=30)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
     thread.join(120)

@@ -6,8 +6,6 @@ the name is a file of addresses the test rewrites."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -15,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import WorkerProcess, start_render
 from tests.e2e.test_admission import MODEL
+from tests.helpers.waiting import wait_until
 from tests.integration.conftest import ServerProcess, stop_server
 
 
@@ -33,13 +32,6 @@ def _samples(render: ServerProcess, family_name: str) -> dict[str, float]:
 
 def _alive(render: ServerProcess) -> set[str]:
     return {worker for worker, up in _samples(render, "duet_worker_alive").items() if up}
-
-
-def _until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def _complete(render: ServerProcess, count: int) -> None:
@@ -65,14 +57,14 @@ def test_workers_behind_a_name_join_and_leave(
         assert _alive(render) == {worker_a.address}
 
         listing.write_text(f"{worker_a.address}\n{worker_b.address}\n")
-        _until(lambda: _alive(render) == {worker_a.address, worker_b.address}, 15, "b to join")
+        wait_until(lambda: _alive(render) == {worker_a.address, worker_b.address}, 15, "b to join")
         _complete(render, 4)
         routed = _samples(render, "duet_render_requests_routed")
         assert routed == {worker_a.address: 2, worker_b.address: 2}  # round robin over both
 
         listing.write_text(f"{worker_b.address}\n")
         # A drained worker leaves the pool entirely, so it has no gauge at all any more.
-        _until(
+        wait_until(
             lambda: set(_samples(render, "duet_worker_alive")) == {worker_b.address},
             15,
             "a to be drained and let go",

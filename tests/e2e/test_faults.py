@@ -25,6 +25,7 @@ from tests.helpers.processes import (
     start_worker,
     stop_server,
 )
+from tests.helpers.waiting import wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 48
@@ -196,16 +197,19 @@ def test_kill_a_render_server_frees_its_requests_on_the_worker(
 
         threading.Thread(target=stream, daemon=True).start()
         assert started.wait(60)
-        deadline = time.monotonic() + 5
-        while probe.latest(1.0).stats.num_running < 1:
-            assert time.monotonic() < deadline, "the worker never showed the request running"
+        wait_until(
+            lambda: probe.latest(1.0).stats.num_running >= 1,
+            5,
+            "the worker to show the request running",
+            interval_s=0,
+        )
         os.kill(render.process.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
+
+        def freed() -> bool:
             stats = probe.latest(1.0).stats
-            if stats.num_running == 0 and stats.kv_blocks_free == stats.kv_blocks_total:
-                return
-        raise AssertionError("the worker kept the dead render server's request")
+            return stats.num_running == 0 and stats.kv_blocks_free == stats.kv_blocks_total
+
+        wait_until(freed, 10, "the worker to let the dead render server's request go", interval_s=0)
     finally:
         probe.close()
         stop_server(render)

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -50,6 +51,7 @@ from tests.helpers.processes import (
     start_worker,
     stop_server,
 )
+from tests.helpers.waiting import WaitTimeout, wait_until
 from tests.integration.test_worker_server import Client
 
 PROMPTS = [
@@ -79,16 +81,17 @@ def _worker_alive(server: ServerProcess, address: str) -> bool | None:
 
 def _wait_idle(probes: list[_Heartbeats], within_s: float) -> list[WorkerStats]:
     """Each worker's stats once all are idle (no running or waiting, every block free)."""
-    deadline = time.monotonic() + within_s
-    while True:
+
+    def all_idle() -> list[WorkerStats] | None:
         stats = [probe.latest(0.5).stats for probe in probes]
         if all(
             s.num_running == s.num_waiting == 0 and s.kv_blocks_free == s.kv_blocks_total
             for s in stats
         ):
             return stats
-        if time.monotonic() > deadline:
-            raise AssertionError(f"KV not idle within {within_s}s: {stats}")
+        return None
+
+    return wait_until(all_idle, within_s, "KV to be idle", interval_s=0)
 
 
 @pytest.fixture(scope="module")
@@ -128,18 +131,22 @@ def test_sigstop_a_worker_mid_stream_streams_move_and_finish_identically(pair) -
             assert event.wait(60), "streams did not start"
         # A heartbeat sent just before the first step of the streams shows nothing running;
         # read fresh ones until one does (the streams last seconds).
-        deadline = time.monotonic() + 10
-        running = [probe.latest(1.0).stats.num_running for probe in probes]
-        while max(running) < 1 and time.monotonic() < deadline:
+
+        def some_running() -> list[int] | None:
             running = [probe.latest(1.0).stats.num_running for probe in probes]
+            return running if max(running) >= 1 else None
+
+        running = wait_until(some_running, 10, "a worker to show the streams", interval_s=0)
         victim = 0 if running[0] >= running[1] else 1
         assert running[victim] >= 1, running
         stopped = (first, second)[victim]
         os.kill(stopped.process.pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
-        while _worker_alive(render, stopped.address):
-            assert time.monotonic() - stopped_at < DETECT_WITHIN_S + 2, "never marked dead"
-            time.sleep(0.05)
+        wait_until(
+            lambda: not _worker_alive(render, stopped.address),
+            DETECT_WITHIN_S + 2,
+            "the stopped worker to be marked dead",
+        )
         detected_after = time.monotonic() - stopped_at
         for thread in threads:
             thread.join(120)
@@ -153,10 +160,12 @@ def test_sigstop_a_worker_mid_stream_streams_move_and_finish_identically(pair) -
 
         # it comes back: heartbeats resume, the Aborts queued while it slept free its KV
         os.kill(stopped.process.pid, signal.SIGCONT)
-        deadline = time.monotonic() + 10
-        while not _worker_alive(render, stopped.address):
-            assert time.monotonic() < deadline, "the resumed worker was not taken back"
-            time.sleep(0.1)
+        wait_until(
+            lambda: _worker_alive(render, stopped.address),
+            10,
+            "the resumed worker to be taken back",
+            interval_s=0.1,
+        )
         _wait_idle(probes, 10)
     finally:
         if stopped is not None:
@@ -213,15 +222,19 @@ def _held(probes: list[_Heartbeats], at_least: int, within_s: float) -> list[int
     """Requests each worker holds (running or preempted), from fresh heartbeats, polled
     until they add up to `at_least` or `within_s` passes. A heartbeat carries stats the
     engine published up to a second and a half earlier, so one read can predate the
-    requests."""
-    deadline = time.monotonic() + within_s
-    while True:
-        held = [
+    requests. Short of `at_least` at the deadline, the last reading: the caller judges it."""
+    held: list[int] = []
+
+    def all_held() -> bool:
+        held[:] = [
             stats.num_running + stats.num_waiting
             for stats in (probe.latest(1.0).stats for probe in probes)
         ]
-        if sum(held) >= at_least or time.monotonic() > deadline:
-            return held
+        return sum(held) >= at_least
+
+    with contextlib.suppress(WaitTimeout):
+        wait_until(all_held, within_s, f"{at_least} requests held", interval_s=0)
+    return held
 
 
 def test_100_clients_disconnect_mid_stream_kv_returns_to_idle(pair) -> None:
@@ -368,10 +381,13 @@ def test_garbage_from_a_worker_connection_does_not_stop_serving(
     render = start_render([first.address, fake.address, noise.address], log)
     try:
         reference = _reference(render, PROMPTS[0], 12)
-        deadline = time.monotonic() + 30
-        while fake.sent < 2000 or noise.connections < 1:
-            assert time.monotonic() < deadline, (fake.sent, noise.connections)
-            time.sleep(0.1)
+        wait_until(
+            lambda: fake.sent >= 2000 and noise.connections >= 1,
+            30,
+            "2000 garbage messages and a noise connection",
+            interval_s=0.1,
+            detail=lambda: (fake.sent, noise.connections),
+        )
         for round_ in range(3):  # while the garbage keeps coming
             assert _reference(render, PROMPTS[0], 12) == reference
             started = threading.Event()
@@ -435,10 +451,10 @@ def test_kv_exhaustion_preempts_and_every_output_matches_its_solo_run(
         outputs: dict[str, list[int]] = {f"load-{i}": [] for i in range(NUM_REQUESTS)}
         finished: set[str] = set()
         all_running = preempted = False
-        deadline = time.monotonic() + 180
-        while len(finished) < NUM_REQUESTS:
-            assert time.monotonic() < deadline, f"only {len(finished)} finished"
-            message = client.recv(deadline - time.monotonic())
+
+        def all_finished() -> bool:
+            nonlocal all_running, preempted
+            message = client.poll(1.0)
             if isinstance(message, Deltas):
                 for delta in message.deltas:
                     outputs[delta.request_id] += delta.new_token_ids
@@ -453,6 +469,15 @@ def test_kv_exhaustion_preempts_and_every_output_matches_its_solo_run(
                 preempted |= all_running and stats.num_waiting > 0
             elif isinstance(message, Rejected):
                 raise AssertionError(f"rejected under load: {message}")
+            return len(finished) == NUM_REQUESTS
+
+        wait_until(
+            all_finished,
+            180,
+            "every request to finish",
+            interval_s=0,
+            detail=lambda: f"only {len(finished)} finished",
+        )
         assert all_running and preempted, (all_running, preempted)
         for index in range(NUM_REQUESTS):
             assert outputs[f"load-{index}"] == solo[index], f"request {index} differs"

@@ -13,9 +13,10 @@ import pytest
 import zmq
 from openai import OpenAI
 
-from shared.protocol import Encoder, Heartbeat, Hello, WorkerMessageDecoder
+from shared.protocol import Encoder, Heartbeat, Hello, WorkerMessageDecoder, WorkerStats
 from shared.transport import make_dealer
 from tests.e2e.conftest import WorkerProcess
+from tests.helpers.waiting import wait_until
 from tests.integration.conftest import ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -222,14 +223,21 @@ def test_disconnect_mid_stream_frees_the_worker(
             for line in lines:
                 if line.startswith("data:") and '"content"' in line and '""' not in line:
                     break
-            deadline = time.monotonic() + 10
-            while probe.latest(1.0).stats.num_running < 1:
-                assert time.monotonic() < deadline, "the worker never showed the request"
+            wait_until(
+                lambda: probe.latest(1.0).stats.num_running >= 1,
+                10,
+                "the worker to show the request",
+                interval_s=0,
+            )
         closed_at = time.monotonic()
-        while time.monotonic() - closed_at < 5:
+
+        def idle() -> WorkerStats | None:
             stats = probe.latest(1.0).stats
             if stats.num_running == 0 and stats.kv_blocks_free == stats.kv_blocks_total:
-                break
+                return stats
+            return None
+
+        stats = wait_until(idle, 5, "the worker to free the request", interval_s=0)
         idle_after = time.monotonic() - closed_at
         assert stats.kv_blocks_free == stats.kv_blocks_total
         assert idle_after < 1.0, f"KV idle only after {idle_after:.2f}s"

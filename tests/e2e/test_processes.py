@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import re
 import signal
-import time
 from collections import Counter
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -18,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.e2e.conftest import start_render
 from tests.e2e.test_admission import MODEL, assert_sigterm_drains
 from tests.helpers.processes import ServerProcess, WorkerProcess, spawn_server, stop_server
+from tests.helpers.waiting import wait_until
 
 _ACCESS = re.compile(r'\[(\d+)\] uvicorn\.access: \S+ - "(\w+) (\S+) HTTP/1\.1" 200')
 
@@ -52,34 +51,32 @@ def _completions_counted(base_url: str) -> float:
     return 0.0
 
 
-def _until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
 def test_both_processes_serve_and_metrics_sum_them(worker_a: WorkerProcess, tmp_path) -> None:
     render = start_render(
         [worker_a.address], tmp_path / "render.log", ["--processes", "2", "--access-log"]
     )
     try:
         sent = 0
-        deadline = time.monotonic() + 180
         with ThreadPoolExecutor(6) as threads:
-            # Until both processes have answered (the second may still be loading at first).
-            while sent < 24 or len(_answered_by(render, "POST", "/v1/completions")) < 2:
-                assert time.monotonic() < deadline, render.log()
+
+            def both_answered() -> bool:
+                nonlocal sent
                 assert list(threads.map(_complete, [render.base_url] * 6)) == [200] * 6
                 sent += 6
-        _until(
+                return sent >= 24 and len(_answered_by(render, "POST", "/v1/completions")) >= 2
+
+            # Until both processes have answered (the second may still be loading at first).
+            wait_until(
+                both_answered, 180, "both processes to answer", interval_s=0, detail=render.log
+            )
+        wait_until(
             lambda: sum(_answered_by(render, "POST", "/v1/completions").values()) == sent,
             10,
             "every access log line",
         )
         # A request is counted just after its last byte left: wait for the last ones once,
         # then every scrape, whichever process answers it, must say exactly `sent`.
-        _until(lambda: _completions_counted(render.base_url) == sent, 10, "the counters")
+        wait_until(lambda: _completions_counted(render.base_url) == sent, 10, "the counters")
         for _ in range(40):
             assert _completions_counted(render.base_url) == sent
             if len(_answered_by(render, "GET", "/metrics")) == 2:
@@ -100,10 +97,11 @@ def test_sigterm_drains_every_process_then_exits_0(worker_a: WorkerProcess, tmp_
     try:
         # /ready answers once one process serves; the drain is about both, so wait for the
         # second to finish starting (SIGTERM mid-startup is another case).
-        deadline = time.monotonic() + 60
-        while render.log().count("Application startup complete") < 2:
-            assert time.monotonic() < deadline, "the second render process did not start"
-            time.sleep(0.1)
+        wait_until(
+            lambda: render.log().count("Application startup complete") >= 2,
+            60,
+            "the second render process to start",
+        )
         assert_sigterm_drains(render, 40)
     finally:
         stop_server(render)
@@ -116,11 +114,12 @@ def test_sigterm_while_the_processes_are_starting_exits_0(
     once) is still a clean stop: exit 0, no traceback."""
     render = spawn_server(["--processes", "2", "--worker", worker_a.address], tmp_path / "r.log")
     try:
-        deadline = time.monotonic() + 60
-        while render.log().count("started render process") < 2:
+
+        def both_started() -> bool:
             assert render.process.poll() is None, render.log()
-            assert time.monotonic() < deadline, "the render processes were never started"
-            time.sleep(0.02)
+            return render.log().count("started render process") >= 2
+
+        wait_until(both_started, 60, "the render processes to be started", interval_s=0.02)
         render.process.send_signal(signal.SIGTERM)
         assert render.process.wait(30) == 0, render.log()
     finally:

@@ -25,6 +25,8 @@ from typing import TypedDict, Unpack
 import httpx
 import pytest
 
+from tests.helpers.waiting import WaitTimeout, wait_until
+
 SERVER_STARTUP_S = 120.0
 WORKER_STARTUP_S = 240.0
 WORKER_READY_PREFIX = "gpu-worker ready on "
@@ -103,21 +105,25 @@ def start_server(
     """`spawn_server`, then wait (bounded) until `ready_path` answers 200."""
     server = spawn_server(args, log_path, env)
     process = server.process
-    deadline = time.monotonic() + startup_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{server.base_url}{ready_path}", timeout=1.0).status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass
-        # Waiting on the process, not sleeping: an early exit fails at once.
-        try:
-            process.wait(0.1)
-        except subprocess.TimeoutExpired:
-            continue
-        pytest.fail(f"render-serve exited with {process.returncode}:\n{server.log()}")
-    stop_server(server)
-    pytest.fail(f"render-serve did not answer {ready_path} in {startup_s}s:\n{server.log()}")
+
+    def answers() -> bool:
+        # Checked on every poll: an early exit fails at once, not at the deadline.
+        if process.poll() is not None:
+            pytest.fail(f"render-serve exited with {process.returncode}:\n{server.log()}")
+        return httpx.get(f"{server.base_url}{ready_path}", timeout=1.0).status_code == 200
+
+    try:
+        wait_until(
+            answers,
+            startup_s,
+            f"render-serve to answer {ready_path}",
+            interval_s=0.1,
+            ignoring=(httpx.TransportError,),
+        )
+    except WaitTimeout:
+        stop_server(server)
+        pytest.fail(f"render-serve did not answer {ready_path} in {startup_s}s:\n{server.log()}")
+    return server
 
 
 def stop_server(server: ServerProcess) -> None:

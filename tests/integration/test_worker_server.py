@@ -25,6 +25,7 @@ from shared.protocol import (
 from shared.sampling import SamplingParams
 from shared.transport import make_dealer
 from tests.helpers.processes import SMALL_WORKER, start_worker, stop_worker
+from tests.helpers.waiting import wait_until
 
 PROMPT = [1, 4093, 198, 2683, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
 STARTUP_TIMEOUT_S = 180
@@ -49,31 +50,39 @@ class Client:
     def send(self, message: object) -> None:
         self.socket.send(self.encoder.encode(message))
 
-    def recv(self, timeout_s: float = 30.0) -> object:
-        assert self.socket.poll(int(timeout_s * 1000)), "no message from the worker"
+    def poll(self, timeout_s: float) -> object | None:
+        """The next message, or None if none arrives within `timeout_s`."""
+        if not self.socket.poll(int(timeout_s * 1000)):
+            return None
         return self.decoder.decode(self.socket.recv())
 
+    def recv(self, timeout_s: float = 30.0) -> object:
+        message = self.poll(timeout_s)
+        assert message is not None, "no message from the worker"
+        return message
+
     def recv_until(self, kind: type, timeout_s: float = 30.0) -> object:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            message = self.recv(deadline - time.monotonic())
-            if isinstance(message, kind):
-                return message
-        raise AssertionError(f"no {kind.__name__} in time")
+        def arrived() -> object | None:
+            message = self.poll(0.1)
+            return message if isinstance(message, kind) else None
+
+        return wait_until(arrived, timeout_s, f"a {kind.__name__}", interval_s=0)
 
     def collect(self, request_id: str, timeout_s: float = 60.0) -> list[RequestDelta]:
         deltas: list[RequestDelta] = []
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            message = self.recv(deadline - time.monotonic())
+
+        def finished() -> bool:
+            message = self.poll(0.1)
             if isinstance(message, Deltas):
                 mine = [d for d in message.deltas if d.request_id == request_id]
                 deltas.extend(mine)
-                if any(d.finish_reason for d in mine):
-                    return deltas
+                return any(d.finish_reason for d in mine)
             if isinstance(message, Rejected) and message.request_id == request_id:
                 raise AssertionError(f"rejected: {message}")
-        raise AssertionError("request did not finish in time")
+            return False
+
+        wait_until(finished, timeout_s, f"request {request_id} to finish", interval_s=0)
+        return deltas
 
     def close(self) -> None:
         self.socket.close()
@@ -117,12 +126,12 @@ def test_heartbeat_reports_idle_cache_after_abort(client: Client) -> None:
     first = client.recv_until(Deltas)
     assert any(d.request_id == "long" for d in first.deltas)
     client.send(Abort(request_ids=["long"]))
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        beat = client.recv_until(Heartbeat)
-        if beat.stats.num_running == 0 and beat.stats.kv_blocks_free == beat.stats.kv_blocks_total:
-            return
-    raise AssertionError("KV blocks were not returned after the abort")
+
+    def idle() -> bool:
+        stats = client.recv_until(Heartbeat).stats
+        return stats.num_running == 0 and stats.kv_blocks_free == stats.kv_blocks_total
+
+    wait_until(idle, 10, "the KV blocks to be returned after the abort", interval_s=0)
 
 
 def test_malformed_frames_are_dropped_and_counted(client: Client) -> None:
@@ -131,12 +140,12 @@ def test_malformed_frames_are_dropped_and_counted(client: Client) -> None:
     client.socket.send_multipart([b"two", b"frames"])
     client.send(_generate("after-garbage", max_tokens=4))
     assert client.collect("after-garbage")
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        beat = client.recv_until(Heartbeat)
-        if beat.stats.bad_frames >= 5:
-            return
-    raise AssertionError("bad frames were not counted")
+    wait_until(
+        lambda: client.recv_until(Heartbeat).stats.bad_frames >= 5,
+        5,
+        "the bad frames to be counted",
+        interval_s=0,
+    )
 
 
 def test_invalid_requests_are_rejected_not_fatal(client: Client) -> None:
@@ -169,11 +178,9 @@ def test_duplicate_generate_runs_once(client: Client) -> None:
     client.send(_generate("dup", max_tokens=6, ignore_eos=True))
     deltas = client.collect("dup")
     assert sum(len(d.new_token_ids) for d in deltas) == 6
-    # nothing more arrives for it
-    deadline = time.monotonic() + 1.5
-    while time.monotonic() < deadline:
-        if not client.socket.poll(100):
-            continue
-        message = client.decoder.decode(client.socket.recv())
+    # nothing more arrives for it (a window watched to its end, not a wait for something)
+    window_ends = time.monotonic() + 1.5
+    while time.monotonic() < window_ends:
+        message = client.poll(0.1)
         if isinstance(message, Deltas):
             assert all(d.request_id != "dup" for d in message.deltas)

@@ -16,7 +16,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -47,6 +47,7 @@ from tests.helpers.processes import (
     stop_worker,
     wait_worker_ready,
 )
+from tests.helpers.waiting import wait_until_async
 
 PROMPT = [1, 4093, 198, 2683, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
 STARTUP_TIMEOUT_S = 180
@@ -57,14 +58,6 @@ T = TypeVar("T")
 def run(coro: Coroutine[Any, Any, T]) -> T:
     """Run one test's coroutine on a fresh loop, bounded so a hang fails instead."""
     return asyncio.run(asyncio.wait_for(coro, TEST_TIMEOUT_S))
-
-
-async def until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 @dataclass
@@ -129,7 +122,9 @@ async def started_pool(
     )
     try:
         await pool.start(ready_timeout_s=30)
-        await until(lambda: all(s.alive for s in pool.statuses()), 10, "every worker alive")
+        await wait_until_async(
+            lambda: all(s.alive for s in pool.statuses()), 10, "every worker alive"
+        )
         yield pool
     finally:
         await pool.close()
@@ -171,7 +166,7 @@ async def assert_worker_idle(pool: WorkerPool, address: str, within_s: float = 2
             and stats.kv_blocks_free == stats.kv_blocks_total
         )
 
-    await until(idle, within_s, f"worker {address} to free its KV blocks")
+    await wait_until_async(idle, within_s, f"worker {address} to free its KV blocks")
 
 
 # ---- one worker -----------------------------------------------------------------------
@@ -188,7 +183,7 @@ def test_handshake_and_model_card(workers: Workers, digest: str) -> None:
             assert status.address == workers.a and status.worker_id
             assert status.connected and status.alive and not status.refused
             assert status.model_card == card and status.outstanding == 0
-            await until(lambda: pool.statuses()[0].stats is not None, 3, "a heartbeat")
+            await wait_until_async(lambda: pool.statuses()[0].stats is not None, 3, "a heartbeat")
 
     run(main())
 
@@ -241,11 +236,11 @@ def test_leaving_early_aborts(workers: Workers, digest: str) -> None:
             bare = await pool.submit(long_request("bare"))
             async for _ in bare:
                 break
-            await until(lambda: bare.is_finished, 1, "the abandoned iterator to abort")
+            await wait_until_async(lambda: bare.is_finished, 1, "the abandoned iterator to abort")
             # a cancelled consumer
             cancelled = await pool.submit(long_request("cancelled"))
             consumer = asyncio.create_task(collect(cancelled))
-            await until(lambda: bool(cancelled.output_token_ids), 30, "the first token")
+            await wait_until_async(lambda: bool(cancelled.output_token_ids), 30, "the first token")
             consumer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await consumer
@@ -359,15 +354,17 @@ def test_stopped_worker_is_lost_then_comes_back(workers: Workers, digest: str) -
                 assert not only_b.is_ready() and not only_b.statuses()[0].alive
                 with pytest.raises(WorkerError):
                     await only_b.submit(greedy("while-stopped"))
-                await until(lambda: not both.statuses()[1].alive, 2, "the second pool to notice")
+                await wait_until_async(
+                    lambda: not both.statuses()[1].alive, 2, "the second pool to notice"
+                )
                 assert both.is_ready()
                 survivor = await both.submit(greedy("to-a", max_tokens=2))
                 assert survivor.worker_address == workers.a
                 assert await collect(survivor)
             finally:
                 os.kill(workers.process_b.pid, signal.SIGCONT)
-            await until(only_b.is_ready, 5, "the worker to come back")
-            await until(lambda: both.statuses()[1].alive, 5, "the worker to come back")
+            await wait_until_async(only_b.is_ready, 5, "the worker to come back")
+            await wait_until_async(lambda: both.statuses()[1].alive, 5, "the worker to come back")
             deltas = await collect(await only_b.submit(greedy("after", max_tokens=2)))
             assert deltas[-1].finish_reason in ("stop", "length")
             await assert_worker_idle(only_b, workers.b, within_s=3.0)
@@ -468,7 +465,9 @@ def test_garbage_frames_are_counted_not_fatal() -> None:
                 assert pool.bad_frames == len(garbage)
                 assert pool.is_ready() and pool.model_card == FAKE_CARD
                 fake.outbox.put([b"more garbage"])
-                await until(lambda: pool.bad_frames == len(garbage) + 1, 2, "the late frame")
+                await wait_until_async(
+                    lambda: pool.bad_frames == len(garbage) + 1, 2, "the late frame"
+                )
                 assert pool.is_ready()
 
         run(main())
@@ -480,13 +479,13 @@ def test_deltas_queued_behind_a_slow_consumer_arrive_merged() -> None:
         async def main() -> None:
             async with started_pool([fake.endpoint], FAKE_CARD.tokenizer_digest) as pool:
                 stream = await pool.submit(greedy("m", prompt=[5, 6, 7]))
-                await until(lambda: fake.request_ids == ["m"], 2, "the Generate")
+                await wait_until_async(lambda: fake.request_ids == ["m"], 2, "the Generate")
                 first = RequestDelta("m", [1], num_prompt_tokens=3, queue_time=0.5)
                 second = RequestDelta("m", [2, 3], num_cached_tokens=0)
                 last = RequestDelta("m", [4], finish_reason="length", stop_token_id=None)
                 for delta in (first, second, last):
                     fake.send(Deltas(deltas=[delta, RequestDelta("unknown", [9])]))
-                await until(lambda: stream.is_finished, 2, "the last delta")
+                await wait_until_async(lambda: stream.is_finished, 2, "the last delta")
                 [merged] = await collect(stream)
                 assert merged.new_token_ids == [1, 2, 3, 4]
                 assert merged.finish_reason == "length" and merged.num_prompt_tokens == 3
@@ -508,11 +507,15 @@ def test_a_restarted_worker_is_greeted_again() -> None:
             )
             await pool.start(ready_timeout_s=5)
         try:
-            await until(lambda: not pool.is_ready(), 2, "the stopped worker to be marked dead")
+            await wait_until_async(
+                lambda: not pool.is_ready(), 2, "the stopped worker to be marked dead"
+            )
             with fake_worker(bind=address) as second:  # a new process: it never saw our Hello
-                await until(pool.is_ready, 3, "the restarted worker to welcome us")
+                await wait_until_async(pool.is_ready, 3, "the restarted worker to welcome us")
                 stream = await pool.submit(greedy("after-restart"))
-                await until(lambda: second.request_ids == ["after-restart"], 2, "the Generate")
+                await wait_until_async(
+                    lambda: second.request_ids == ["after-restart"], 2, "the Generate"
+                )
                 await stream.abort()
         finally:
             await pool.close()

@@ -8,6 +8,7 @@ import socket
 import pytest
 
 from render_server.worker_client.discovery import WorkerDiscovery, parse_host_port, resolve_tcp
+from tests.helpers.waiting import wait_until_async
 
 
 class RecordingPool:
@@ -111,10 +112,9 @@ def test_start_re_resolves_every_interval_until_closed() -> None:
         await discovery.refresh()
         discovery.start()
         resolver.answers[name] = ["tcp://10.0.0.1:9", "tcp://10.0.0.3:9"]
-        for _ in range(200):
-            if len(pool.calls) == 2:
-                break
-            await asyncio.sleep(0.01)
+        await wait_until_async(
+            lambda: len(pool.calls) == 2, 5, "the second resolution", interval_s=0.01
+        )
         await discovery.close()
         asked = len(resolver.asked)
         await asyncio.sleep(0.05)

@@ -11,6 +11,9 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = textwrap.dedent(
     """
@@ -32,6 +35,7 @@ CHILD = textwrap.dedent(
 
     from render_server.http.app import create_app
     from render_server.settings import RenderSettings
+    from tests.helpers.waiting import wait_until_async
 
     async def main():
         app = create_app(RenderSettings())
@@ -41,10 +45,13 @@ CHILD = textwrap.dedent(
         config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
         server = uvicorn.Server(config)
         task = asyncio.create_task(server.serve())
-        while not server.started:
+
+        def started():
             if task.done():
-                task.result()
-            await asyncio.sleep(0.05)
+                task.result()  # it exited: raise what stopped it
+            return server.started
+
+        await wait_until_async(started, 120, "uvicorn to start")
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
             response = await client.post("/tokenize", json={"messages": [
                 {"role": "user", "content": "hello"}]})
@@ -63,8 +70,9 @@ CHILD = textwrap.dedent(
 
 
 def test_render_server_serves_without_torch() -> None:
+    # From the repository root, where the child finds `tests.helpers` as pytest does.
     result = subprocess.run(
-        [sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=180
+        [sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=180, cwd=ROOT
     )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])

@@ -15,7 +15,6 @@ The smaller, hand-written cases live in test_protocol.py and test_worker_server.
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,6 +43,7 @@ from shared.protocol import (
 from shared.sampling import SamplingParams
 from shared.transport import make_dealer
 from tests.helpers.processes import WorkerProcess, start_worker, stop_worker
+from tests.helpers.waiting import wait_until
 from tests.integration.test_worker_server import PROMPT, Client
 from tests.unit.test_protocol import RENDER_MESSAGES, WORKER_MESSAGES
 
@@ -239,27 +239,28 @@ def _greedy(client: Client, request_id: str) -> list[int]:
 
 
 def _bad_frames(client: Client, at_least: int, timeout_s: float = 10.0) -> int:
-    """The worker's bad-frame count once it reaches `at_least` (or the deadline)."""
-    deadline = time.monotonic() + timeout_s
-    count = -1
-    while time.monotonic() < deadline:
-        beat = client.recv_until(Heartbeat, timeout_s=max(0.1, deadline - time.monotonic()))
-        count = beat.stats.bad_frames
-        if count >= at_least:
-            # one more beat: a count that overshoots would show up here
-            return client.recv_until(Heartbeat).stats.bad_frames
-    return count
+    """The worker's bad-frame count once it reaches `at_least`."""
+    wait_until(
+        lambda: client.recv_until(Heartbeat).stats.bad_frames >= at_least,
+        timeout_s,
+        f"the worker to count {at_least} bad frames",
+        interval_s=0,
+    )
+    # one more beat: a count that overshoots would show up here
+    return client.recv_until(Heartbeat).stats.bad_frames
 
 
 def _assert_idle(client: Client, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    stats = None
+
+    def idle() -> bool:
+        nonlocal stats
         stats = client.recv_until(Heartbeat).stats
-        if stats.num_running == stats.num_waiting == 0 and (
+        return stats.num_running == stats.num_waiting == 0 and (
             stats.kv_blocks_free == stats.kv_blocks_total
-        ):
-            return
-    raise AssertionError(f"the worker did not return to idle: {stats}")
+        )
+
+    wait_until(idle, timeout_s, "the worker to return to idle", interval_s=0, detail=lambda: stats)
 
 
 def test_worker_survives_bursts_of_bad_frames_and_counts_them(fuzz_worker: WorkerProcess) -> None:
@@ -360,15 +361,26 @@ def odd_generates(draw: st.DrawFn, index: int) -> bytes:
 def _outcome(client: Client, request_ids: set[str], timeout_s: float) -> dict[str, str]:
     """How each request ended: its finish reason, or "rejected:<code>"."""
     ended: dict[str, str] = {}
-    deadline = time.monotonic() + timeout_s
-    while request_ids - ended.keys() and time.monotonic() < deadline:
-        message = client.recv(max(0.1, deadline - time.monotonic()))
+
+    def all_ended() -> bool:
+        if ended.keys() >= request_ids:
+            return True
+        message = client.poll(0.1)
         if isinstance(message, Deltas):
             for delta in message.deltas:
                 if delta.finish_reason is not None:
                     ended[delta.request_id] = delta.finish_reason
         elif isinstance(message, Rejected):
             ended[message.request_id] = f"rejected:{message.code}"
+        return False
+
+    wait_until(
+        all_ended,
+        timeout_s,
+        "every request to end",
+        interval_s=0,
+        detail=lambda: f"no answer for {request_ids - ended.keys()}",
+    )
     return ended
 
 

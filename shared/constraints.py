@@ -205,7 +205,7 @@ _STACK_LOCK = threading.Lock()
 
 def _on_large_stack(fn: Callable[..., _T], *args: object) -> _T:
     """fn(*args) on a fresh thread with a COMPILE_STACK_BYTES stack; its result or error."""
-    outcome: list[object] = []
+    outcome: list[_T | BaseException] = []
 
     def run() -> None:
         try:
@@ -226,7 +226,7 @@ def _on_large_stack(fn: Callable[..., _T], *args: object) -> _T:
     [result] = outcome
     if isinstance(result, BaseException):
         raise result
-    return result  # type: ignore[return-value]
+    return result
 
 
 def _allowed_tokens(bitmask: bytes) -> list[int]:

@@ -27,9 +27,9 @@ class TokenText:
         text = hf.decode([token_id], skip_special_tokens=False)
         piece = hf.id_to_token(token_id)
         if piece is not None and token_id not in self._special_ids():
-            raw = [_BYTE_OF_CHAR.get(char) for char in piece]
-            if all(byte is not None for byte in raw):
-                return text, raw  # type: ignore[return-value]
+            raw = [_BYTE_OF_CHAR[char] for char in piece if char in _BYTE_OF_CHAR]
+            if len(raw) == len(piece):  # every character is one of the 256 byte characters
+                return text, raw
         return text, list(text.encode("utf-8"))
 
     @lru_cache(maxsize=1)  # noqa: B019 - one instance per app, lives as long as it

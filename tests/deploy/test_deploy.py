@@ -64,7 +64,8 @@ def test_worker_pods_request_a_gpu_and_probes_exist() -> None:
     worker = documents[("StatefulSet", "duet-worker")]["spec"]["template"]["spec"]
     container = worker["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert "readinessProbe" in container and "livenessProbe" in container
+    assert "readinessProbe" in container
+    assert "livenessProbe" in container
     render = documents[("Deployment", "duet-render")]["spec"]["template"]["spec"]["containers"][0]
     assert render["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert render["livenessProbe"]["httpGet"]["path"] == "/health"

@@ -69,7 +69,8 @@ def assert_sigterm_drains(render: ServerProcess, max_tokens: int) -> None:
 
     wait_until(ready_is_503, 5, "/ready to turn 503")
     refused = httpx.post(f"{render.base_url}/v1/chat/completions", json=_body(4, False), timeout=30)
-    assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "draining"
     thread.join(120)
     assert out["finish"] == "length", out  # the in-flight stream ran to its end
     assert render.process.wait(30) == 0

@@ -156,7 +156,8 @@ def test_kill_the_only_worker_fails_fast(tmp_path_factory: pytest.TempPathFactor
         thread.join(10)
         assert not thread.is_alive(), "the stream hung"
         assert time.monotonic() - killed_at < 5
-        assert outcome["errors"] and outcome["errors"][0]["code"] == "worker_lost"
+        assert outcome["errors"]
+        assert outcome["errors"][0]["code"] == "worker_lost"
         response = httpx.post(
             f"{render.base_url}/v1/chat/completions",
             json=chat_body("hi", MAX_TOKENS, False),

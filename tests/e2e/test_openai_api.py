@@ -35,7 +35,8 @@ def test_chat_non_streaming(client: OpenAI, render: ServerProcess) -> None:
         model=MODEL, messages=QUESTION, max_tokens=24, temperature=0
     )
     choice = reply.choices[0]
-    assert reply.object == "chat.completion" and reply.id.startswith("chatcmpl-")
+    assert reply.object == "chat.completion"
+    assert reply.id.startswith("chatcmpl-")
     assert choice.message.role == "assistant"
     assert "Paris" in choice.message.content
     assert choice.finish_reason in ("stop", "length")
@@ -71,7 +72,8 @@ def test_usage_chunk_only_when_asked(client: OpenAI) -> None:
             stream_options={"include_usage": True},
         )
     )
-    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage is not None
     streamed_tokens = chunks[-1].usage.completion_tokens
     assert 1 <= streamed_tokens <= 8
     assert all(c.usage is None for c in chunks[:-1])
@@ -149,7 +151,8 @@ def test_logprobs_are_sorted_and_bytes_decode(client: OpenAI) -> None:
     for entry in content:
         assert entry.logprob <= 0
         alternatives = [alt.logprob for alt in entry.top_logprobs]
-        assert len(alternatives) == 3 and alternatives == sorted(alternatives, reverse=True)
+        assert len(alternatives) == 3
+        assert alternatives == sorted(alternatives, reverse=True)
         assert all(lp <= 0 for lp in alternatives)
         if "\ufffd" not in entry.token:
             assert bytes(entry.bytes).decode("utf-8") == entry.token
@@ -265,7 +268,8 @@ def test_two_render_servers_share_one_worker(
         thread.start()
     for thread in threads:
         thread.join(60)
-    assert results["a"] == results["b"] and "Paris" in results["a"]
+    assert results["a"] == results["b"]
+    assert "Paris" in results["a"]
 
 
 def test_one_render_server_uses_two_workers(
@@ -290,7 +294,8 @@ def test_one_render_server_uses_two_workers(
             rf'duet_render_requests_routed_total{{worker="{re.escape(worker.address)}"}} (\S+)'
         )
         match = re.search(pattern, metrics)
-        assert match and float(match.group(1)) >= 1, f"{worker.address} got nothing"
+        assert match, f"{worker.address} got nothing"
+        assert float(match.group(1)) >= 1, f"{worker.address} got nothing"
 
 
 @pytest.mark.parametrize(

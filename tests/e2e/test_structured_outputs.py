@@ -102,7 +102,8 @@ def test_structured_outputs_choice_with_n(client: OpenAI) -> None:
     )
     assert len(reply.choices) == 3
     for choice in reply.choices:
-        assert choice.message.content in choices and choice.finish_reason == "stop"
+        assert choice.message.content in choices
+        assert choice.finish_reason == "stop"
 
 
 def test_completions_with_guided_choice(client: OpenAI) -> None:

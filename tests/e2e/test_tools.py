@@ -82,7 +82,8 @@ def test_required_tool_choice_returns_valid_calls(tools_client: OpenAI, temperat
     assert choice.finish_reason == "tool_calls"
     assert choice.message.tool_calls
     for call in choice.message.tool_calls:
-        assert call.type == "function" and call.id.startswith("call_")
+        assert call.type == "function"
+        assert call.id.startswith("call_")
         _check_call(call.function.name, call.function.arguments)
 
 
@@ -99,7 +100,9 @@ def test_named_tool_choice_streams_valid_arguments(tools_client: OpenAI) -> None
                 if first is None:
                     first = call
                 arguments.append(call.function.arguments or "")
-    assert first is not None and first.id and first.type == "function"
+    assert first is not None
+    assert first.id
+    assert first.type == "function"
     assert first.function.name == "get_weather"
     _check_call("get_weather", "".join(arguments))
     assert finish == "tool_calls"
@@ -148,7 +151,8 @@ def test_auto_tool_choice_gives_content_or_valid_calls(tools_client: OpenAI) -> 
         for call in message.tool_calls:
             _check_call(call.function.name, call.function.arguments)
     else:
-        assert message.content and "<tool_call>" not in message.content
+        assert message.content
+        assert "<tool_call>" not in message.content
 
 
 def test_auto_needs_the_server_flags(client: OpenAI) -> None:

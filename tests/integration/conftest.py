@@ -50,14 +50,14 @@ def secure_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPr
     stop_server(server)
 
 
-@pytest.fixture()
+@pytest.fixture
 def client(render_server: ServerProcess) -> Iterator[httpx.Client]:
     """httpx client bound to the keyless server."""
     with httpx.Client(base_url=render_server.base_url, timeout=30.0) as http:
         yield http
 
 
-@pytest.fixture()
+@pytest.fixture
 def secure_client(secure_server: ServerProcess) -> Iterator[httpx.Client]:
     """httpx client bound to the keyed server, sending no key unless a test adds one."""
     with httpx.Client(base_url=secure_server.base_url, timeout=30.0) as http:

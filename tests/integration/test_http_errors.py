@@ -27,7 +27,8 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     assert set(body) == {"error"}
     error = body["error"]
     assert set(error) == {"message", "type", "param", "code"}
-    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["message"], str)
+    assert error["message"]
     assert "Traceback" not in response.text
     assert error["param"] == param
     assert response.headers.get("x-request-id")

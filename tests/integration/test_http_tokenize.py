@@ -143,12 +143,9 @@ def test_models_with_openai_sdk(render_server: ServerProcess) -> None:
     models = sdk.models.list()
     assert [model.id for model in models.data] == [MODEL]
     assert sdk.models.retrieve(MODEL).id == MODEL
-    try:
+    with pytest.raises(openai.NotFoundError) as caught:
         sdk.models.retrieve("gpt-9")
-    except openai.NotFoundError as exc:
-        assert exc.code == "model_not_found"
-    else:
-        raise AssertionError("retrieving an unknown model should raise NotFoundError")
+    assert caught.value.code == "model_not_found"
 
 
 def test_health_and_version(client: httpx.Client) -> None:

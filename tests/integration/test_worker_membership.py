@@ -57,7 +57,8 @@ def test_workers_join_and_a_removed_one_drains() -> None:
 
                 a.send(Deltas(deltas=[RequestDelta("r0", [7, 8], finish_reason="length")]))
                 deltas = await collect(streams[0])
-                assert tokens(deltas) == [7, 8] and deltas[-1].finish_reason == "length"
+                assert tokens(deltas) == [7, 8]
+                assert deltas[-1].finish_reason == "length"
                 await until(
                     lambda: [s.address for s in pool.statuses()] == [b.endpoint],
                     2,
@@ -94,7 +95,8 @@ def test_a_draining_worker_listed_again_stays() -> None:
                 assert [s.draining for s in pool.statuses()] == [False, False]
                 a.send(Deltas(deltas=[RequestDelta("long", [3], finish_reason="stop")]))
                 assert tokens(await collect(stream)) == [3]
-                assert len(pool.statuses()) == 2 and pool.is_ready()
+                assert len(pool.statuses()) == 2
+                assert pool.is_ready()
             finally:
                 await pool.close()
 

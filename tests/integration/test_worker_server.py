@@ -153,12 +153,14 @@ def test_invalid_requests_are_rejected_not_fatal(client: Client) -> None:
         Generate(request_id="oov", prompt_token_ids=[10**6], sampling=SamplingParams(max_tokens=2))
     )
     rejected = client.recv_until(Rejected)
-    assert rejected.request_id == "oov" and rejected.code == "invalid_request"
+    assert rejected.request_id == "oov"
+    assert rejected.code == "invalid_request"
     client.send(
         Generate(request_id="too-long", prompt_token_ids=[5] * 9000, sampling=SamplingParams())
     )
     rejected = client.recv_until(Rejected)
-    assert rejected.request_id == "too-long" and rejected.code == "too_long"
+    assert rejected.request_id == "too-long"
+    assert rejected.code == "too_long"
     client.send(_generate("still-fine", max_tokens=3))
     assert client.collect("still-fine")
 

@@ -177,12 +177,17 @@ def test_handshake_and_model_card(workers: Workers, digest: str) -> None:
         async with started_pool([workers.a], digest) as pool:
             card = pool.model_card
             assert card is not None
-            assert card.vocab_size == 49152 and card.tokenizer_digest == digest
+            assert card.vocab_size == 49152
+            assert card.tokenizer_digest == digest
             assert pool.is_ready()
             [status] = pool.statuses()
-            assert status.address == workers.a and status.worker_id
-            assert status.connected and status.alive and not status.refused
-            assert status.model_card == card and status.outstanding == 0
+            assert status.address == workers.a
+            assert status.worker_id
+            assert status.connected
+            assert status.alive
+            assert not status.refused
+            assert status.model_card == card
+            assert status.outstanding == 0
             await wait_until_async(lambda: pool.statuses()[0].stats is not None, 3, "a heartbeat")
 
     run(main())
@@ -192,13 +197,15 @@ def test_greedy_request_streams_to_completion_twice_alike(workers: Workers, dige
     async def main() -> None:
         async with started_pool([workers.a], digest) as pool:
             first = await pool.submit(greedy("g1"))
-            assert first.request_id == "g1" and first.worker_address == workers.a
+            assert first.request_id == "g1"
+            assert first.worker_address == workers.a
             deltas = await collect(first)
             assert deltas[-1].finish_reason in ("stop", "length")
             assert all(d.finish_reason is None for d in deltas[:-1])
             assert deltas[-1].num_prompt_tokens == len(PROMPT)
             assert 1 <= len(tokens(deltas)) <= 12
-            assert first.output_token_ids == tokens(deltas) and first.is_finished
+            assert first.output_token_ids == tokens(deltas)
+            assert first.is_finished
             again = await collect(await pool.submit(greedy("g2")))
             assert tokens(again) == tokens(deltas)
             assert pool.statuses()[0].outstanding == 0
@@ -217,7 +224,8 @@ def test_abort_mid_stream_frees_the_worker(workers: Workers, digest: str) -> Non
             await stream.abort()  # idempotent
             rest = [delta async for delta in iterator]
             assert rest[-1].finish_reason == "abort"
-            assert stream.is_finished and stream.finish_reason == "abort"
+            assert stream.is_finished
+            assert stream.finish_reason == "abort"
             assert pool.statuses()[0].outstanding == 0
             await assert_worker_idle(pool, workers.a)
 
@@ -231,7 +239,8 @@ def test_leaving_early_aborts(workers: Workers, digest: str) -> None:
             async with await pool.submit(long_request("with")) as stream:
                 async for _ in stream:
                     break
-            assert stream.is_finished and stream.finish_reason == "abort"
+            assert stream.is_finished
+            assert stream.finish_reason == "abort"
             # `break` out of a bare `async for`: the closed generator aborts
             bare = await pool.submit(long_request("bare"))
             async for _ in bare:
@@ -244,7 +253,8 @@ def test_leaving_early_aborts(workers: Workers, digest: str) -> None:
             consumer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await consumer
-            assert cancelled.is_finished and cancelled.finish_reason == "abort"
+            assert cancelled.is_finished
+            assert cancelled.finish_reason == "abort"
             assert pool.statuses()[0].outstanding == 0
             await assert_worker_idle(pool, workers.a)
 
@@ -259,7 +269,8 @@ def test_rejected_request_raises(workers: Workers, digest: str) -> None:
                 await collect(stream)
             assert info.value.code == "rejected"
             assert info.value.reject_code == "invalid_request"
-            assert stream.is_finished and pool.is_ready()
+            assert stream.is_finished
+            assert pool.is_ready()
             assert await collect(await pool.submit(greedy("after-oov", max_tokens=2)))
 
     run(main())
@@ -275,10 +286,14 @@ def test_worker_with_another_tokenizer_is_refused(workers: Workers, digest: str)
             try:
                 with pytest.raises(WorkerError) as info:
                     await pool.start(ready_timeout_s=1)
-                assert info.value.code == "no_workers" and "refused" in info.value.message
+                assert info.value.code == "no_workers"
+                assert "refused" in info.value.message
                 [status] = pool.statuses()
-                assert status.refused and not status.connected and not status.alive
-                assert not pool.is_ready() and pool.model_card is None
+                assert status.refused
+                assert not status.connected
+                assert not status.alive
+                assert not pool.is_ready()
+                assert pool.model_card is None
                 with pytest.raises(WorkerError) as info:
                     await pool.submit(greedy("nowhere"))
                 assert info.value.code == "no_workers"
@@ -300,10 +315,12 @@ def test_concurrent_requests_spread_over_both_workers(workers: Workers, digest: 
                 for i in range(20)
             ]
             outstanding = [s.outstanding for s in pool.statuses()]
-            assert sum(outstanding) == 20 and min(outstanding) >= 5, outstanding
+            assert sum(outstanding) == 20, outstanding
+            assert min(outstanding) >= 5, outstanding
             results = await asyncio.gather(*(collect(s) for s in streams))
             for deltas in results:
-                assert deltas[-1].finish_reason in ("stop", "length") and tokens(deltas)
+                assert deltas[-1].finish_reason in ("stop", "length")
+                assert tokens(deltas)
             assert {s.worker_address for s in streams} == {workers.a, workers.b}
 
     run(main())
@@ -351,7 +368,8 @@ def test_stopped_worker_is_lost_then_comes_back(workers: Workers, digest: str) -
                 lost_after = time.monotonic() - stopped_at
                 assert info.value.code == "worker_lost"
                 assert lost_after <= only_b.heartbeat_timeout_s + 1.0, lost_after
-                assert not only_b.is_ready() and not only_b.statuses()[0].alive
+                assert not only_b.is_ready()
+                assert not only_b.statuses()[0].alive
                 with pytest.raises(WorkerError):
                     await only_b.submit(greedy("while-stopped"))
                 await wait_until_async(
@@ -463,7 +481,8 @@ def test_garbage_frames_are_counted_not_fatal() -> None:
         async def main() -> None:
             async with started_pool([fake.endpoint], FAKE_CARD.tokenizer_digest) as pool:
                 assert pool.bad_frames == len(garbage)
-                assert pool.is_ready() and pool.model_card == FAKE_CARD
+                assert pool.is_ready()
+                assert pool.model_card == FAKE_CARD
                 fake.outbox.put([b"more garbage"])
                 await wait_until_async(
                     lambda: pool.bad_frames == len(garbage) + 1, 2, "the late frame"
@@ -488,7 +507,8 @@ def test_deltas_queued_behind_a_slow_consumer_arrive_merged() -> None:
                 await wait_until_async(lambda: stream.is_finished, 2, "the last delta")
                 [merged] = await collect(stream)
                 assert merged.new_token_ids == [1, 2, 3, 4]
-                assert merged.finish_reason == "length" and merged.num_prompt_tokens == 3
+                assert merged.finish_reason == "length"
+                assert merged.num_prompt_tokens == 3
                 assert merged.queue_time == 0.5
                 assert pool.unknown_deltas == 3
 

@@ -13,7 +13,8 @@ from tests.kernels.conftest import ELEMENTWISE_TOL, random_tensor
 def test_silu_and_mul_matches_reference(device, dtype, num_tokens, inner):
     x = 3 * random_tensor(num_tokens, 2 * inner, dtype=dtype, device=device)
     out = silu_and_mul(x)
-    assert out.shape == (num_tokens, inner) and out.dtype == dtype
+    assert out.shape == (num_tokens, inner)
+    assert out.dtype == dtype
     atol, rtol = ELEMENTWISE_TOL[dtype]
     torch.testing.assert_close(out.float(), silu_and_mul_ref(x).float(), atol=atol, rtol=rtol)
 

@@ -29,11 +29,12 @@ def test_buckets_cover_every_batch_size_with_little_padding() -> None:
     assert batch_size_buckets(6) == [1, 2, 4, 6]
     assert batch_size_buckets(20) == [1, 2, 4, 8, 16, 20]
     buckets = batch_size_buckets(256)
-    assert buckets[:5] == [1, 2, 4, 8, 16] and buckets[-1] == 256
+    assert buckets[:5] == [1, 2, 4, 8, 16]
+    assert buckets[-1] == 256
     for n in range(1, 257):
         bucket = min(b for b in buckets if b >= n)
         assert bucket - n < 8
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="max_batch_size must be >= 1"):
         batch_size_buckets(0)
 
 
@@ -89,7 +90,8 @@ def test_padding_rows_leave_the_cache_alone_and_match_eager(tiny_model_dir: Path
 
     meta = AttentionMetadata.build([1, 1, 1], context_lens, tables, BLOCK_SIZE)
     ids, positions = torch.tensor([5, 17, 200]), torch.tensor(context_lens)
-    assert runner.bucket_for(3) == 4 and runner.can_run(meta)
+    assert runner.bucket_for(3) == 4
+    assert runner.can_run(meta)
     hidden = runner.run(ids, positions, meta)
     eager_meta = AttentionMetadata.build([1, 1, 1], context_lens, tables, BLOCK_SIZE)
     with torch.inference_mode():
@@ -109,7 +111,7 @@ def test_steps_too_big_or_not_pure_decode_run_eagerly(tiny_model_dir: Path) -> N
     assert not runner.can_run(AttentionMetadata.build([1] * 3, [1, 1, 1], [[0]] * 3, BLOCK_SIZE))
     assert not runner.can_run(AttentionMetadata.build([4], [0], [[0]], BLOCK_SIZE))
     assert not runner.can_run(AttentionMetadata.build([1], [40], [[0, 1, 2]], BLOCK_SIZE))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="no decode graph fits"):
         runner.run(torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64),
                    AttentionMetadata.build([1] * 3, [1, 1, 1], [[0]] * 3, BLOCK_SIZE))  # fmt: skip
     with pytest.raises(ValueError, match="CUDA"):

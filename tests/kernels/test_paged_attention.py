@@ -44,7 +44,8 @@ def test_decode_matches_reference(make_paged_batch, device, dtype, seq_lens, gro
     scale = head_dim**-0.5
     out = paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale)
     expected = paged_decode_attention_ref(q, kv_cache, meta.block_tables, meta.seq_lens, scale)
-    assert out.shape == q.shape and out.dtype == dtype
+    assert out.shape == q.shape
+    assert out.dtype == dtype
     _assert_close(out, expected, dtype)
 
 

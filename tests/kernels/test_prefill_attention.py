@@ -73,7 +73,8 @@ def test_prefill_matches_reference(
         make_paged_batch, query_lens, context_lens, group, head_dim, dtype, device
     )
     out = _run(q, kv_cache, meta, head_dim**-0.5)
-    assert out.shape == q.shape and out.dtype == dtype
+    assert out.shape == q.shape
+    assert out.dtype == dtype
     _assert_close(out, _ref(q, kv_cache, meta, head_dim**-0.5), dtype)
 
 

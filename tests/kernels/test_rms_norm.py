@@ -22,7 +22,8 @@ def test_rms_norm_matches_reference(device, dtype, num_tokens, hidden):
     x = random_tensor(num_tokens, hidden, dtype=dtype, device=device)
     weight = 1 + 0.2 * random_tensor(hidden, dtype=dtype, device=device, seed=2)
     out = rms_norm(x, weight, EPS)
-    assert out.dtype == dtype and out.shape == x.shape
+    assert out.dtype == dtype
+    assert out.shape == x.shape
     _assert_close(out, rms_norm_ref(x, weight, EPS), dtype)
 
 
@@ -54,4 +55,5 @@ def test_fused_add_rms_norm_matches_reference(device, dtype, num_tokens, hidden)
     expected_out, expected_residual = fused_add_rms_norm_ref(x, residual, weight, EPS)
     assert torch.equal(new_residual, expected_residual)  # one rounding of the sum, like torch
     _assert_close(out, expected_out, dtype)
-    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+    assert torch.equal(x, x_before)
+    assert torch.equal(residual, residual_before)

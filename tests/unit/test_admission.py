@@ -38,7 +38,8 @@ def test_a_client_that_stops_reading_is_cut_off_and_the_stream_cancelled() -> No
         return admission
 
     admission = asyncio.run(main())
-    assert admission.slow_clients == 1 and admission.in_flight == 0
+    assert admission.slow_clients == 1
+    assert admission.in_flight == 0
 
 
 def test_other_paths_pass_untouched_and_uncounted() -> None:
@@ -53,4 +54,5 @@ def test_other_paths_pass_untouched_and_uncounted() -> None:
         return admission
 
     admission = asyncio.run(main())
-    assert seen == ["/tokenize"] and admission.rejected == 0
+    assert seen == ["/tokenize"]
+    assert admission.rejected == 0

@@ -65,7 +65,7 @@ LENGTHS = [1, 15, 16, 17, 100]
 
 @pytest.mark.parametrize("vector", [True, False], ids=["avx512", "portable"])
 @pytest.mark.parametrize("dim", [64, 128])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (16, 2)])  # GQA ratio 1, 3, 8
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3), (16, 2)])  # GQA ratio 1, 3, 8
 @pytest.mark.parametrize("n", [1, 3, 17])
 def test_paged_decode_attention_matches_reference(
     ext: ModuleType, vector: bool, dim: int, heads: int, kv_heads: int, n: int
@@ -76,7 +76,8 @@ def test_paged_decode_attention_matches_reference(
     q, cache, tables, lens = _paged_case(seq_lens, heads, kv_heads, dim, seed=n * dim + heads)
     scale = dim**-0.5
     out = cpu_ops.paged_decode_attention(q, cache, tables, lens, scale, vector=vector)
-    assert out.shape == q.shape and out.dtype == torch.float32
+    assert out.shape == q.shape
+    assert out.dtype == torch.float32
     torch.testing.assert_close(
         out.double(), _reference(q, cache, tables, lens, scale), atol=2e-6, rtol=1e-5
     )
@@ -130,9 +131,9 @@ def test_paged_decode_attention_strided_rows_and_threads(ext: ModuleType) -> Non
 
 def test_paged_decode_attention_rejects_bad_input(ext: ModuleType) -> None:
     q, cache, tables, lens = _paged_case([20, 3], 4, 2, 64, seed=1)
+    bad = tables.clone()
+    bad[0, 1] = -1
     with pytest.raises(RuntimeError, match="not a block of the cache"):
-        bad = tables.clone()
-        bad[0, 1] = -1
         cpu_ops.paged_decode_attention(q, cache, bad, lens, 1.0)
     with pytest.raises(RuntimeError, match="does not fit"):
         cpu_ops.paged_decode_attention(
@@ -238,7 +239,7 @@ def _mixed_step(
     return q, k, v, cache, meta
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4)])
 def test_backend_with_kernel_equals_without(
     ext: ModuleType, monkeypatch: pytest.MonkeyPatch, heads: int, kv_heads: int
 ) -> None:
@@ -248,14 +249,16 @@ def test_backend_with_kernel_equals_without(
 
     fast_cache = cache.clone()
     fast = backend.forward(q, k, v, fast_cache, meta, scale)
-    assert meta.torch_plan is not None and meta.torch_plan.kernel_decodes is not None
+    assert meta.torch_plan is not None
+    assert meta.torch_plan.kernel_decodes is not None
     assert meta.torch_plan.decode == []
 
     monkeypatch.setattr(attention.cpu_ops, "available", lambda t: False)
     meta.torch_plan = None
     slow_cache = cache.clone()
     slow = backend.forward(q, k, v, slow_cache, meta, scale)
-    assert meta.torch_plan is not None and meta.torch_plan.kernel_decodes is None
+    assert meta.torch_plan is not None
+    assert meta.torch_plan.kernel_decodes is None
 
     assert torch.equal(fast_cache, slow_cache)
     # Prefill rows take the same torch path; decode rows differ by summation order only.

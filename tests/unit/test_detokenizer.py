@@ -90,7 +90,9 @@ def test_split_character_is_held_until_complete(smollm2_tokenizer: Tokenizer, ba
     assert len(ids) >= 3  # the emoji's four bytes span several tokens
     detok = IncrementalDetokenizer(smollm2_tokenizer)
     texts = [detok.add([i]).text for i in ids]
-    assert texts[0] == "a" and texts[-1] == "👍" and not any(texts[1:-1])
+    assert texts[0] == "a"
+    assert texts[-1] == "👍"
+    assert not any(texts[1:-1])
 
 
 def test_flush_emits_truncated_character_as_decoded(
@@ -100,8 +102,10 @@ def test_flush_emits_truncated_character_as_decoded(
     detok = IncrementalDetokenizer(smollm2_tokenizer)
     updates, tail = run(detok, ids)
     assert "\ufffd" not in "".join(u.text for u in updates)
-    assert detok.output_text == smollm2_tokenizer.decode(ids) and tail.endswith("\ufffd")
-    assert detok.flush() == "" and detok.add(encode(smollm2_tokenizer, "x")).text == ""
+    assert detok.output_text == smollm2_tokenizer.decode(ids)
+    assert tail.endswith("\ufffd")
+    assert detok.flush() == ""
+    assert detok.add(encode(smollm2_tokenizer, "x")).text == ""
 
 
 def test_prompt_gives_context_but_is_never_emitted(
@@ -118,7 +122,8 @@ def test_prompt_gives_context_but_is_never_emitted(
     emoji = encode(smollm2_tokenizer, "😀")
     detok = IncrementalDetokenizer(smollm2_tokenizer, prompt_token_ids=prompt + emoji[:-1])
     run(detok, [emoji[-1], *encode(smollm2_tokenizer, " ok")])
-    assert detok.output_text.endswith(" ok") and "assistant" not in detok.output_text
+    assert detok.output_text.endswith(" ok")
+    assert "assistant" not in detok.output_text
 
 
 def test_bad_ids_are_skipped(smollm2_tokenizer: Tokenizer, backend: str) -> None:
@@ -154,9 +159,11 @@ def test_stop_spanning_tokens_is_cut_exactly(
     rng = random.Random(seed) if seed is not None else None
     text = "The answer is 42. Done."
     detok, updates, tail = stop_run(smollm2_tokenizer, text, ["is 42"], rng)
-    assert detok.output_text == "The answer " and tail == ""
+    assert detok.output_text == "The answer "
+    assert tail == ""
     assert [u.stop_str for u in updates if u.finished_by_stop] == ["is 42"]
-    assert detok.stop_str == "is 42" and updates[-1].text == ""  # later ids are dropped
+    assert detok.stop_str == "is 42"
+    assert updates[-1].text == ""
     detok, updates, _ = stop_run(
         smollm2_tokenizer, text, ["is 42"], rng, include_stop_str_in_output=True
     )
@@ -183,11 +190,14 @@ def test_stop_at_very_start(smollm2_tokenizer: Tokenizer, backend: str) -> None:
 
 def test_stop_prefix_that_diverges_is_released(smollm2_tokenizer: Tokenizer, backend: str) -> None:
     detok, updates, tail = stop_run(smollm2_tokenizer, "Hello there", ["Hello world", "x"])
-    assert [u.text for u in updates] == ["", "Hello there"] and tail == ""
+    assert [u.text for u in updates] == ["", "Hello there"]
+    assert tail == ""
     # Held text that never diverges comes out at flush.
     detok, updates, tail = stop_run(smollm2_tokenizer, "Say Hello", ["Hello world"])
-    assert [u.text for u in updates] == ["Say", " "] and tail == "Hello"
-    assert detok.output_text == "Say Hello" and detok.stop_str is None
+    assert [u.text for u in updates] == ["Say", " "]
+    assert tail == "Hello"
+    assert detok.output_text == "Say Hello"
+    assert detok.stop_str is None
 
 
 def test_special_token_text_as_stop(smollm2_tokenizer: Tokenizer, backend: str) -> None:

@@ -40,7 +40,7 @@ def test_parse_host_port() -> None:
     assert parse_host_port("workers.duet.svc:5555") == ("workers.duet.svc", 5555)
     assert parse_host_port("[fd00::1]:7") == ("fd00::1", 7)
     for bad in ("workers", "workers:", ":5555", "workers:port", "workers:0", "w:70000"):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="expected HOST:PORT"):
             parse_host_port(bad)
 
 

@@ -95,7 +95,8 @@ def test_gemm_matches_float64_reference(
                 # of |products| (and of |bias|); a wrong weight or row is off by far more.
                 scale = x.double().abs() @ dense.abs().T + (0 if b is None else b.abs().double())
                 err = (y.double() - expected).abs()
-                assert y.dtype == torch.float32 and y.shape == (m, n)
+                assert y.dtype == torch.float32
+                assert y.shape == (m, n)
                 bound = (k + 1) * 2.0**-24 * scale + 1e-30
                 assert bool((err <= bound).all()), (n, k, m, float(err.max()))
 
@@ -124,7 +125,8 @@ def test_cat_refuses_mixed_types() -> None:
     b, _ = _quantize(w, gguf.GGMLQuantizationType.Q8_0)
     assert QuantizedWeight.cat([a, b]) is None
     both = QuantizedWeight.cat([a, a])
-    assert both is not None and both.n == 16
+    assert both is not None
+    assert both.n == 16
 
 
 @pytest.fixture
@@ -183,7 +185,8 @@ def test_smollm2_quantized_copies_match_dense_weights(ext: ModuleType) -> None:
             assert linear.quantized is not None
             assert torch.equal(linear.quantized.dequantize(), linear.weight)
     head = model._quantized_head
-    assert head is not None and head.qtype == int(gguf.GGMLQuantizationType.Q8_0)
+    assert head is not None
+    assert head.qtype == int(gguf.GGMLQuantizationType.Q8_0)
     assert torch.equal(head.dequantize(), model.model.embed_tokens.weight)
     hidden = torch.randn(3, config.hidden_size)
     torch.testing.assert_close(

@@ -29,7 +29,8 @@ def test_only_full_blocks_are_hashed() -> None:
 def test_chaining_and_prefix_property() -> None:
     a = prefix_block_hashes(TOKENS, 16)
     b = prefix_block_hashes(TOKENS[:16] + [7] * 16, 16)
-    assert a[0] == b[0] and a[1] != b[1]
+    assert a[0] == b[0]
+    assert a[1] != b[1]
     assert a[1] == hash_block(a[0], TOKENS[16:32])
     # same block content under a different parent hashes differently
     assert hash_block(root_hash(), TOKENS[16:32]) != a[1]

@@ -177,7 +177,7 @@ def _dense_reference(
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(6, 2), (4, 4)])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(6, 2), (4, 4)])
 @pytest.mark.parametrize("pad", [0, -1])
 @pytest.mark.parametrize(
     "seqs",

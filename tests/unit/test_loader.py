@@ -117,7 +117,7 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-@pytest.mark.parametrize("n_head,head_dim,cols", [(9, 64, 5), (3, 64, 1), (4, 8, 3)])
+@pytest.mark.parametrize(("n_head", "head_dim", "cols"), [(9, 64, 5), (3, 64, 1), (4, 8, 3)])
 def test_unpermute_inverts_llama_cpp_permute(n_head: int, head_dim: int, cols: int) -> None:
     w = np.random.default_rng(0).standard_normal((n_head * head_dim, cols)).astype(np.float32)
     assert np.array_equal(unpermute_qk(_llama_cpp_permute(w, n_head), n_head), w)

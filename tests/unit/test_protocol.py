@@ -130,7 +130,8 @@ def test_constrained_generate_round_trips(constraint: Constraint) -> None:
         constraint=constraint,
     )
     decoded = RenderMessageDecoder().decode(Encoder().encode(message))
-    assert decoded == message and decoded.constraint == constraint
+    assert decoded == message
+    assert decoded.constraint == constraint
 
 
 @pytest.mark.parametrize(

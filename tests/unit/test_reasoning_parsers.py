@@ -33,7 +33,8 @@ def stream(parser: ReasoningParser, chunks: list[str]) -> ReasoningDelta:
     """Feed the chunks, checking the order rules, and join what came out."""
     reasoning, content = [], []
     for delta in [*(parser.feed(chunk) for chunk in chunks), parser.finish()]:
-        assert delta.reasoning != "" and delta.content != "", "nothing is an empty string"
+        assert delta.reasoning != "", "nothing is an empty string"
+        assert delta.content != "", "nothing is an empty string"
         if delta.reasoning is not None:
             assert not content, "reasoning never comes after content"
             reasoning.append(delta.reasoning)
@@ -59,7 +60,8 @@ def test_registry() -> None:
     with pytest.raises(KeyError) as info:
         get_reasoning_parser("o1")
     assert isinstance(info.value, UnknownReasoningParserError)
-    assert "'o1'" in str(info.value) and "deepseek_r1" in str(info.value)
+    assert "'o1'" in str(info.value)
+    assert "deepseek_r1" in str(info.value)
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
@@ -128,7 +130,8 @@ def test_is_reasoning_done_follows_the_tags() -> None:
     assert parser.feed("Answer") == (None, "Answer")
     assert get_reasoning_parser("qwen3")(enable_thinking=False).is_reasoning_done
     no_tag = get_reasoning_parser("qwen3")()
-    assert no_tag.feed("Hi") == (None, "Hi") and no_tag.is_reasoning_done
+    assert no_tag.feed("Hi") == (None, "Hi")
+    assert no_tag.is_reasoning_done
 
 
 def test_deepseek_r1_streams_reasoning_without_an_opening_tag() -> None:

@@ -48,13 +48,13 @@ def test_an_unknown_or_dead_preferred_worker_is_ignored() -> None:
 
 
 def test_no_candidates_is_an_error() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="no candidate workers"):
         choose_worker([])
 
 
 def test_round_robin_takes_each_worker_in_turn() -> None:
     assert [round_robin(3, rotation) for rotation in range(7)] == [0, 1, 2, 0, 1, 2, 0]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="no candidate workers"):
         round_robin(0, 0)
 
 
@@ -88,7 +88,7 @@ def test_affinity_map_is_a_bounded_lru() -> None:
     affinity.record(prefix_block_hashes([7] * 16, block_size=16), "c")
     assert affinity.longest_match(first[:2]) == ("a", 2)
     assert affinity.longest_match(first) == ("a", 2)  # first[2] was the oldest left
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="capacity must be at least 1"):
         PrefixAffinity(capacity=0)
 
 
@@ -113,7 +113,10 @@ def test_continuation_appends_the_output_and_shrinks_the_budgets() -> None:
     original = request([1, 2, 3], temperature=0.0, max_tokens=10, min_tokens=4)
     resumed = continuation(original, [7, 8, 9])
     assert resumed.prompt_token_ids == [1, 2, 3, 7, 8, 9]
-    assert resumed.sampling.max_tokens == 7 and resumed.sampling.min_tokens == 1
-    assert resumed.sampling.temperature == 0.0 and resumed.request_id == "r"
-    assert original.prompt_token_ids == [1, 2, 3] and original.sampling.max_tokens == 10
+    assert resumed.sampling.max_tokens == 7
+    assert resumed.sampling.min_tokens == 1
+    assert resumed.sampling.temperature == 0.0
+    assert resumed.request_id == "r"
+    assert original.prompt_token_ids == [1, 2, 3]
+    assert original.sampling.max_tokens == 10
     assert continuation(original, []) is original

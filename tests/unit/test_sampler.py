@@ -48,7 +48,9 @@ def test_greedy_is_argmax_on_the_fast_path() -> None:
     logits = _random_logits(5, 50)
     out = _sampler(50).sample(logits, [_state(temperature=0.0) for _ in range(5)])
     assert out.token_ids == logits.argmax(-1).tolist()
-    assert out.logprobs is None and out.top_ids is None and out.num_top == [0] * 5
+    assert out.logprobs is None
+    assert out.top_ids is None
+    assert out.num_top == [0] * 5
 
 
 def test_padding_columns_are_never_sampled_and_logits_stay_untouched() -> None:
@@ -160,7 +162,8 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
         token = sampler.sample(logits, [state]).token_ids[0]
         picks.append(token)
         state.output_token_ids.append(token)
-    assert picks[0] not in (EOS, 3) and picks[1] not in (EOS, 3)
+    assert picks[0] not in (EOS, 3)
+    assert picks[1] not in (EOS, 3)
     assert picks[2] == EOS
 
 
@@ -210,8 +213,10 @@ def test_logprobs_are_raw_sorted_and_ranked() -> None:
     raw = torch.log_softmax(logits, -1)
     ids = torch.tensor(out.token_ids)
     assert out.num_top == [3, 0, 0, 5]
-    assert out.top_ids is not None and out.top_logprobs is not None
-    assert out.logprobs is not None and out.ranks is not None
+    assert out.top_ids is not None
+    assert out.top_logprobs is not None
+    assert out.logprobs is not None
+    assert out.ranks is not None
     assert out.top_ids.shape == out.top_logprobs.shape == (4, 5)
     assert torch.all(out.top_logprobs <= 0)
     assert torch.all(out.top_logprobs[:, :-1] >= out.top_logprobs[:, 1:])
@@ -219,7 +224,8 @@ def test_logprobs_are_raw_sorted_and_ranked() -> None:
     assert torch.allclose(out.logprobs, raw.gather(1, ids[:, None]).squeeze(1))
     expected_ranks = [int((raw[i] > raw[i, t]).sum()) + 1 for i, t in enumerate(out.token_ids)]
     assert out.ranks.tolist() == expected_ranks
-    assert out.ranks[1] == 1 and out.top_ids[1, 0] == ids[1]  # greedy row takes rank 1
+    assert out.ranks[1] == 1
+    assert out.top_ids[1, 0] == ids[1]
 
 
 def test_mixed_batch_of_greedy_sampled_and_seeded_rows() -> None:

@@ -83,7 +83,8 @@ def test_prefill_then_decode_until_max_tokens() -> None:
     out, _ = step(sched)
     assert [(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled] == [(20, 1)]
     out, changed = step(sched)
-    assert changed == [seq] and seq.is_finished
+    assert changed == [seq]
+    assert seq.is_finished
     assert seq.finish_reason == FinishReason.LENGTH
     assert seq.status == SequenceStatus.FINISHED_LENGTH
     assert seq.output_token_ids == [1020, 1021, 1022]

@@ -145,10 +145,14 @@ def test_mixed_batch_every_constrained_output_parses_and_free_rows_are_untouched
         jsonschema.validate(json.loads(text), PERSON)
         assert ids[-1] not in engine.eos_token_ids  # ended when the grammar did
     phone, choice, lark, obj, greedy_free, sampled_free = zip(outputs[6:], texts[6:], strict=True)
-    assert phone[0][1] == "stop" and re.fullmatch(PHONE, phone[1]), phone
-    assert choice[0][1] == "stop" and choice[1] in CHOICES, choice
-    assert lark[0][1] == "stop" and LARK_TEXT.fullmatch(lark[1]), lark
-    assert obj[0][1] == "stop" and isinstance(json.loads(obj[1]), dict), obj
+    assert phone[0][1] == "stop", phone
+    assert re.fullmatch(PHONE, phone[1]), phone
+    assert choice[0][1] == "stop", choice
+    assert choice[1] in CHOICES, choice
+    assert lark[0][1] == "stop", lark
+    assert LARK_TEXT.fullmatch(lark[1]), lark
+    assert obj[0][1] == "stop", obj
+    assert isinstance(json.loads(obj[1]), dict), obj
     # Free rows are not masked: the greedy one matches the same request run on its own.
     [(alone, _)] = run(engine, [(free_prompt, free, None)])
     assert greedy_free[0][0] == alone
@@ -210,7 +214,8 @@ def test_a_resumed_request_continues_its_constraint(engine: Engine, smollm2_toke
     prompt = chat(tok, "Should I go out?") + done
     constraint = Constraint(kind="choice", spec=json.dumps(CHOICES), num_resumed_tokens=len(done))
     [(ids, finish)] = run(engine, [(prompt, SamplingParams(temperature=0.0), constraint)])
-    assert finish == "stop" and tok.decode(done + ids) == "maybe later"
+    assert finish == "stop"
+    assert tok.decode(done + ids) == "maybe later"
     wrong = Constraint(kind="regex", spec="[0-9]+", num_resumed_tokens=len(done))
     with pytest.raises(RequestRejected):
         run(engine, [(prompt, SamplingParams(), wrong)])
@@ -225,7 +230,8 @@ def test_a_failover_continuation_counts_the_resumed_tokens() -> None:
     assert once.prompt_token_ids == [1, 2, 5, 6]
     assert once.constraint == Constraint(kind="regex", spec="[a-z]+", num_resumed_tokens=2)
     twice = continuation(once, [7])
-    assert twice.constraint is not None and twice.constraint.num_resumed_tokens == 3
+    assert twice.constraint is not None
+    assert twice.constraint.num_resumed_tokens == 3
 
 
 # ---- the worker's pieces ------------------------------------------------------------
@@ -250,7 +256,8 @@ def test_masks_touch_only_constrained_rows(lltokenizer: Any) -> None:
     logits = torch.randn(4, vocab)
     masked = logits.clone()
     masker.apply(masked, [0, 2], matchers)
-    assert torch.equal(masked[1], logits[1]) and torch.equal(masked[3], logits[3])
+    assert torch.equal(masked[1], logits[1])
+    assert torch.equal(masked[3], logits[3])
     for row, matcher in zip((0, 2), matchers, strict=True):
         allowed = torch.isfinite(masked[row]).nonzero().flatten().tolist()
         assert allowed
@@ -269,13 +276,15 @@ def test_sync_rolls_back_dropped_tokens_and_catches_up(lltokenizer: Any) -> None
     tokens = lltokenizer.tokenize_str("abc 123")
     matcher = RequestMatcher(new_matcher(constraint, lltokenizer))
     matcher.sync(tokens)
-    assert matcher.num_consumed == len(tokens) and matcher.matcher.is_accepting()
+    assert matcher.num_consumed == len(tokens)
+    assert matcher.matcher.is_accepting()
     matcher.sync(tokens[:1])  # the engine dropped tokens: the matcher follows
     fresh = new_matcher(constraint, lltokenizer)
     fresh.consume_tokens(tokens[:1])
     assert matcher.matcher.compute_bitmask() == fresh.compute_bitmask()
     matcher.sync(tokens)
-    assert matcher.matcher.is_accepting() and matcher.error is None
+    assert matcher.matcher.is_accepting()
+    assert matcher.error is None
 
 
 # ---- compiling and validating -------------------------------------------------------
@@ -317,7 +326,8 @@ def test_valid_constraints_validate(constraint: Constraint, lltokenizer: Any) ->
 )
 def test_invalid_constraints_say_why(constraint: Constraint, words: str, lltokenizer: Any) -> None:
     error = validate(constraint, lltokenizer)
-    assert error is not None and words in error
+    assert error is not None
+    assert words in error
     assert len(error) < 1100
 
 
@@ -363,7 +373,8 @@ def test_a_slow_constraint_misses_the_render_deadline(smollm2_tokenizer: Any) ->
         return slow, fine
 
     slow, fine = asyncio.run(check())
-    assert slow is not None and "too complex" in slow
+    assert slow is not None
+    assert "too complex" in slow
     assert fine is None
 
 

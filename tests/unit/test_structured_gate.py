@@ -26,13 +26,16 @@ def test_the_constraint_starts_after_the_reasoning_tag(structured: StructuredOut
     matcher = structured.new_matcher(constraint, [1, 2, 3])
     reasoning = _ids(tokenizer, "<think>free text, even 123 {}!")
     matcher.sync(reasoning)
-    assert not matcher.is_active and matcher.error is None  # reasoning is not masked
+    assert not matcher.is_active
+    assert matcher.error is None
     output = reasoning + _ids(tokenizer, "</think>")
     matcher.sync(output)
-    assert matcher.is_active and not matcher.is_stopped
+    assert matcher.is_active
+    assert not matcher.is_stopped
     output += _ids(tokenizer, "Paris.")
     matcher.sync(output)
-    assert matcher.error is None and matcher.is_stopped
+    assert matcher.error is None
+    assert matcher.is_stopped
 
 
 def test_without_a_gate_the_constraint_holds_from_the_first_token(

@@ -21,7 +21,8 @@ SPECIAL_TEXT = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
 
 def test_corpus_is_varied() -> None:
     assert len(CORPUS) >= 200
-    assert any("<|im_end|>" in s for s in CORPUS) and any("\u200d" in s for s in CORPUS)
+    assert any("<|im_end|>" in s for s in CORPUS)
+    assert any("\u200d" in s for s in CORPUS)
 
 
 @pytest.mark.parametrize("add_special_tokens", [True, False])
@@ -69,11 +70,14 @@ def test_metadata(smollm2_tokenizer: Tokenizer, hf_reference_tokenizer: Any) -> 
     tok = smollm2_tokenizer
     assert (tok.bos_token, tok.bos_token_id) == ("<|im_start|>", 1)
     assert (tok.eos_token, tok.eos_token_ids) == ("<|im_end|>", [2])
-    assert tok.vocab_size == 49152 and tok.max_model_len == 8192
+    assert tok.vocab_size == 49152
+    assert tok.max_model_len == 8192
     assert tok.add_bos_token is False
     assert tok.chat_template == hf_reference_tokenizer.chat_template
-    assert len(tok.special_tokens) == 17 and set(SPECIAL_TEXT) <= set(tok.special_tokens)
-    assert tok.id_to_token(2) == "<|im_end|>" and tok.id_to_token(10**6) is None
+    assert len(tok.special_tokens) == 17
+    assert set(SPECIAL_TEXT) <= set(tok.special_tokens)
+    assert tok.id_to_token(2) == "<|im_end|>"
+    assert tok.id_to_token(10**6) is None
     assert tok.token_strs([19556, 216]) == hf_reference_tokenizer.convert_ids_to_tokens(
         [19556, 216]
     )
@@ -143,7 +147,8 @@ def test_hf_directory_bos_comes_from_tokenizer_json(
     assert tok.add_bos_token is True
     texts = CORPUS[:40]
     assert tok.encode_batch(texts) == reference(texts)["input_ids"]
-    assert tok.encode("hi")[0] == 1 and tok.encode("hi", add_special_tokens=False)[0] != 1
+    assert tok.encode("hi")[0] == 1
+    assert tok.encode("hi", add_special_tokens=False)[0] != 1
     assert tok.chat_template == "{{ bos_token }}{{ messages[0]['content'] }}"
 
 
@@ -193,8 +198,10 @@ def test_gguf_pre_tokenizers_match_transformers(tmp_path: Path, pre: str) -> Non
     reference = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
     assert tok.hf.to_str() == reference.backend_tokenizer.to_str()
     assert tok.encode_batch(CORPUS) == reference(CORPUS)["input_ids"]
-    assert tok.add_bos_token is True and tok.encode("x")[0] == 1
-    assert tok.max_model_len == 4096 and tok.special_tokens == ["<|endoftext|>", *SPECIAL_TEXT[:2]]
+    assert tok.add_bos_token is True
+    assert tok.encode("x")[0] == 1
+    assert tok.max_model_len == 4096
+    assert tok.special_tokens == ["<|endoftext|>", *SPECIAL_TEXT[:2]]
 
 
 def test_unsupported_gguf_tokenizer(tmp_path: Path) -> None:
@@ -213,7 +220,8 @@ def test_piece_cache_can_be_turned_off(smollm2_tokenizer: Tokenizer) -> None:
     assert parse_settings([]).tokenizer_cache_mb == 32
     source = resolve_model(settings.model)
     uncached = Tokenizer.from_source(source, piece_cache_bytes=settings.tokenizer_cache_mb << 20)
-    assert uncached._pieces is None and smollm2_tokenizer._pieces is not None
+    assert uncached._pieces is None
+    assert smollm2_tokenizer._pieces is not None
     text = "A system prompt that comes back.<|im_end|>\nAnd a question?"
     for _ in range(2):  # the second time the cached tokenizer answers from its cache
         assert uncached.encode_text(text) == smollm2_tokenizer.encode_text(text)

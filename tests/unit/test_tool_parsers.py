@@ -61,7 +61,8 @@ def stream(parser: ToolParser, chunks: list[str]) -> Streamed:
         assert indexes == sorted(set(indexes)), "one delta per index, in order"
         for delta in message.tool_calls:
             if delta.index == len(out.names):  # a new call: its first delta names it
-                assert delta.id is not None and delta.name is not None
+                assert delta.id is not None
+                assert delta.name is not None
                 out.names.append(delta.name)
                 out.ids.append(delta.id)
                 out.arguments.append("")
@@ -157,7 +158,8 @@ def test_arguments_stream_before_the_call_ends() -> None:
         message = parser.feed(piece)
         if any(delta.name for delta in message.tool_calls):
             seen_name_at = len(fed)
-    assert seen_name_at is not None and seen_name_at < text.index('"query"') + 3
+    assert seen_name_at is not None
+    assert seen_name_at < text.index('"query"') + 3
     out = stream(get_tool_parser("hermes")(TOOLS), pieces)
     assert out.num_messages_with_args[0] > 5
 

@@ -32,10 +32,16 @@ def test_every_engine_flag_is_carried() -> None:
         ]
     )  # fmt: skip
     config = config_from_args(args)
-    assert config.model == "m.gguf" and config.device == "cuda:1" and config.dtype == "float16"
+    assert config.model == "m.gguf"
+    assert config.device == "cuda:1"
+    assert config.dtype == "float16"
     assert (config.block_size, config.max_num_seqs, config.max_num_batched_tokens) == (32, 64, 4096)
-    assert config.max_model_len == 1024 and config.kv_cache_memory_gb == 2.5
-    assert config.gpu_memory_utilization == 0.8 and config.attention_backend == "triton"
-    assert config.enforce_eager is True and config.cuda_graph_max_batch_size == 48
-    assert config.enable_prefix_caching is False and config.max_waiting == 10
+    assert config.max_model_len == 1024
+    assert config.kv_cache_memory_gb == 2.5
+    assert config.gpu_memory_utilization == 0.8
+    assert config.attention_backend == "triton"
+    assert config.enforce_eager is True
+    assert config.cuda_graph_max_batch_size == 48
+    assert config.enable_prefix_caching is False
+    assert config.max_waiting == 10
     assert config.cpu_gguf_kernels is False

@@ -10,7 +10,9 @@ character continues a valid JSON prefix", "the value ended here" or "this charac
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from enum import Enum
+from typing import ClassVar
 
 # Deeper JSON than this is refused: Python's json module (and so anything downstream that
 # loads the arguments) recurses per level and fails near 1,000.
@@ -35,6 +37,16 @@ def skip_ws(text: str, pos: int) -> int:
     return match.end()
 
 
+class StateEnum(Enum):
+    """Base of the scanners' and parsers' state enums, whose members key their step tables.
+
+    Members hash by identity, as they compare: a table is looked up once per step, and
+    Enum's own ``__hash__`` is Python code, several times slower on this hot path.
+    """
+
+    __hash__ = object.__hash__
+
+
 class JsonScanError(ValueError):
     """The character at ``pos`` cannot continue the JSON value."""
 
@@ -43,7 +55,7 @@ class JsonScanError(ValueError):
         self.pos = pos
 
 
-class _S(Enum):
+class _S(StateEnum):
     VALUE = 1  # a value must start here
     ARRAY_FIRST = 2  # just after "[": a value or "]"
     OBJECT_FIRST = 3  # just after "{": a key or "}"
@@ -55,6 +67,7 @@ class _S(Enum):
     UNICODE = 9  # inside \uXXXX
     NUMBER = 10
     LITERAL = 11  # inside true / false / null
+    END = 12  # the top-level value ended
 
 
 # The number grammar as a small DFA over states named for what was read last. A digit, ".",
@@ -92,6 +105,7 @@ class JsonValueScanner:
         self._hex_left = 0
         self._number = ""  # the DFA state while in a number
         self._literal = ""  # characters of the literal still expected
+        self._mark = 0  # in feed: text from here to pos is consumed but not yet in out
 
     def take_output(self) -> str:
         """The collected text since the last call, cleared."""
@@ -100,124 +114,169 @@ class JsonValueScanner:
         return text
 
     def feed(self, text: str, pos: int) -> int:
-        mark = pos  # consumed text from mark to pos is not yet copied to out
+        # One step per state (`_STEPS`) handles text[pos], which exists, and returns the next
+        # position. A step that raises has consumed nothing, so on an error the collected text
+        # ends just before the offending character. Consumed text from self._mark to pos is
+        # not yet copied to out.
+        self._mark = pos
         n = len(text)
+        steps = self._STEPS
         try:
             while pos < n:
-                state = self._state
-                ch = text[pos]
-                if state is _S.STRING:
-                    run = _STRING_RUN.match(text, pos)
-                    if run:
-                        pos = run.end()
-                        continue
-                    if ch == '"':
-                        pos += 1
-                        if self._string_is_key:
-                            self._state = _S.COLON
-                        elif self._end_value():
-                            return pos
-                    elif ch == "\\":
-                        self._state = _S.ESCAPE
-                        pos += 1
-                    else:  # a raw control character: keep it, escaped
-                        if self._collect:
-                            self.out.append(text[mark:pos])
-                            self.out.append(_SHORT_ESCAPES.get(ch) or f"\\u{ord(ch):04x}")
-                        pos += 1
-                        mark = pos
-                elif state in (_S.VALUE, _S.ARRAY_FIRST, _S.OBJECT_FIRST, _S.KEY, _S.COLON):
-                    if ch in WHITESPACE:
-                        pos = skip_ws(text, pos)
-                        if not self._stack and state is _S.VALUE:
-                            mark = pos  # leading whitespace is not part of the value
-                        continue
-                    if state is _S.COLON:
-                        if ch != ":":
-                            raise JsonScanError(pos)
-                        self._state = _S.VALUE
-                        pos += 1
-                    elif state is _S.KEY or (state is _S.OBJECT_FIRST and ch != "}"):
-                        if ch != '"':
-                            raise JsonScanError(pos)
-                        self._state, self._string_is_key = _S.STRING, True
-                        pos += 1
-                    elif ch in "}]" and state in (_S.OBJECT_FIRST, _S.ARRAY_FIRST):
-                        if (ch == "}") != (state is _S.OBJECT_FIRST):
-                            raise JsonScanError(pos)
-                        self._stack.pop()
-                        pos += 1
-                        if self._end_value():
-                            return pos
-                    else:
-                        pos = self._start_value(text, pos)
-                elif state is _S.AFTER_VALUE:
-                    if ch in WHITESPACE:
-                        pos = skip_ws(text, pos)
-                        continue
-                    top = self._stack[-1]
-                    if ch == ",":
-                        self._state = _S.KEY if top == "{" else _S.VALUE
-                        pos += 1
-                    elif ch == ("}" if top == "{" else "]"):
-                        self._stack.pop()
-                        pos += 1
-                        if self._end_value():
-                            return pos
-                    else:
-                        raise JsonScanError(pos)
-                elif state is _S.NUMBER:
-                    number = self._number
-                    if "0" <= ch <= "9":
-                        if number == "minus" and ch == "0":
-                            self._number = "int0"
-                            pos += 1
-                            continue
-                        if number not in _DIGIT_NEXT:  # a digit after a leading 0
-                            raise JsonScanError(pos)
-                        self._number = _DIGIT_NEXT[number]
-                        digits = _DIGITS.match(text, pos)
-                        assert digits is not None  # text[pos] is a digit
-                        pos = digits.end()
-                        continue
-                    table = _DOT_NEXT if ch == "." else _EXP_NEXT if ch in "eE" else None
-                    if ch in "+-":
-                        table = _SIGN_NEXT
-                    if table is not None and number in table:
-                        self._number = table[number]
-                        pos += 1
-                    elif table is None and number in _NUM_TERMINAL:
-                        # The number ended just before this character, which is not consumed.
-                        if self._end_value():
-                            return pos
-                    else:
-                        raise JsonScanError(pos)
-                elif state is _S.LITERAL:
-                    if ch != self._literal[0]:
-                        raise JsonScanError(pos)
-                    self._literal = self._literal[1:]
-                    pos += 1
-                    if not self._literal and self._end_value():
-                        return pos
-                elif state is _S.ESCAPE:
-                    if ch == "u":
-                        self._state, self._hex_left = _S.UNICODE, 4
-                    elif ch in '"\\/bfnrt':
-                        self._state = _S.STRING
-                    else:
-                        raise JsonScanError(pos)
-                    pos += 1
-                else:  # _S.UNICODE
-                    if ch not in _HEX:
-                        raise JsonScanError(pos)
-                    self._hex_left -= 1
-                    if not self._hex_left:
-                        self._state = _S.STRING
-                    pos += 1
+                pos = steps[self._state](self, text, pos)
+                if self._state is _S.END:
+                    return pos
             return -1
         finally:
-            if self._collect and pos > mark:
-                self.out.append(text[mark:pos])
+            if self._collect and pos > self._mark:
+                self.out.append(text[self._mark : pos])
+
+    # -- the steps: one per state ----------------------------------------------------------
+
+    def _step_value(self, text: str, pos: int) -> int:
+        if text[pos] in WHITESPACE:
+            pos = skip_ws(text, pos)
+            if not self._stack:
+                self._mark = pos  # leading whitespace is not part of the value
+            return pos
+        return self._start_value(text, pos)
+
+    def _step_array_first(self, text: str, pos: int) -> int:
+        ch = text[pos]
+        if ch in WHITESPACE:
+            return skip_ws(text, pos)
+        if ch == "]":
+            return self._close(pos)
+        return self._start_value(text, pos)  # refuses "}"
+
+    def _step_object_first(self, text: str, pos: int) -> int:
+        if text[pos] == "}":
+            return self._close(pos)
+        return self._step_key(text, pos)
+
+    def _step_key(self, text: str, pos: int) -> int:
+        ch = text[pos]
+        if ch in WHITESPACE:
+            return skip_ws(text, pos)
+        if ch != '"':
+            raise JsonScanError(pos)
+        self._state, self._string_is_key = _S.STRING, True
+        return pos + 1
+
+    def _step_colon(self, text: str, pos: int) -> int:
+        ch = text[pos]
+        if ch in WHITESPACE:
+            return skip_ws(text, pos)
+        if ch != ":":
+            raise JsonScanError(pos)
+        self._state = _S.VALUE
+        return pos + 1
+
+    def _step_after_value(self, text: str, pos: int) -> int:
+        ch = text[pos]
+        if ch in WHITESPACE:
+            return skip_ws(text, pos)
+        in_object = self._stack[-1] == "{"
+        if ch == ",":
+            self._state = _S.KEY if in_object else _S.VALUE
+            return pos + 1
+        if ch != ("}" if in_object else "]"):
+            raise JsonScanError(pos)
+        return self._close(pos)
+
+    def _step_string(self, text: str, pos: int) -> int:
+        run = _STRING_RUN.match(text, pos)
+        if run:
+            pos = run.end()
+            if pos == len(text):
+                return pos
+        ch = text[pos]  # what stopped the run
+        if ch == '"':
+            if self._string_is_key:
+                self._state = _S.COLON
+                return pos + 1
+            return self._end_value(pos + 1)
+        if ch == "\\":
+            self._state = _S.ESCAPE
+            return pos + 1
+        # A raw control character: kept, escaped.
+        if self._collect:
+            self.out.append(text[self._mark : pos])
+            self.out.append(_SHORT_ESCAPES.get(ch) or f"\\u{ord(ch):04x}")
+        self._mark = pos + 1
+        return pos + 1
+
+    def _step_escape(self, text: str, pos: int) -> int:
+        ch = text[pos]
+        if ch == "u":
+            self._state, self._hex_left = _S.UNICODE, 4
+        elif ch in '"\\/bfnrt':
+            self._state = _S.STRING
+        else:
+            raise JsonScanError(pos)
+        return pos + 1
+
+    def _step_unicode(self, text: str, pos: int) -> int:
+        if text[pos] not in _HEX:
+            raise JsonScanError(pos)
+        self._hex_left -= 1
+        if not self._hex_left:
+            self._state = _S.STRING
+        return pos + 1
+
+    def _step_number(self, text: str, pos: int) -> int:
+        ch = text[pos]
+        if "0" <= ch <= "9":
+            return self._number_digits(text, pos)
+        number = self._number
+        table = _DOT_NEXT if ch == "." else _EXP_NEXT if ch in "eE" else None
+        if ch in "+-":
+            table = _SIGN_NEXT
+        if table is not None and number in table:
+            self._number = table[number]
+            return pos + 1
+        if table is None and number in _NUM_TERMINAL:
+            # The number ended just before this character, which is not consumed.
+            return self._end_value(pos)
+        raise JsonScanError(pos)
+
+    def _number_digits(self, text: str, pos: int) -> int:
+        """A run of digits from text[pos], a digit, in a number."""
+        number = self._number
+        if number == "minus" and text[pos] == "0":
+            self._number = "int0"
+            return pos + 1
+        if number not in _DIGIT_NEXT:  # a digit after a leading 0
+            raise JsonScanError(pos)
+        self._number = _DIGIT_NEXT[number]
+        digits = _DIGITS.match(text, pos)
+        assert digits is not None  # text[pos] is a digit
+        return digits.end()
+
+    def _step_literal(self, text: str, pos: int) -> int:
+        if text[pos] != self._literal[0]:
+            raise JsonScanError(pos)
+        self._literal = self._literal[1:]
+        if self._literal:
+            return pos + 1
+        return self._end_value(pos + 1)
+
+    # The state -> step table (plain functions: `feed` passes self), read once per step.
+    _STEPS: ClassVar[dict[_S, Callable[[JsonValueScanner, str, int], int]]] = {
+        _S.VALUE: _step_value,
+        _S.ARRAY_FIRST: _step_array_first,
+        _S.OBJECT_FIRST: _step_object_first,
+        _S.KEY: _step_key,
+        _S.COLON: _step_colon,
+        _S.AFTER_VALUE: _step_after_value,
+        _S.STRING: _step_string,
+        _S.ESCAPE: _step_escape,
+        _S.UNICODE: _step_unicode,
+        _S.NUMBER: _step_number,
+        _S.LITERAL: _step_literal,
+    }
+
+    # -- transitions shared by the steps ---------------------------------------------------
 
     def _start_value(self, text: str, pos: int) -> int:
         ch = text[pos]
@@ -240,9 +299,13 @@ class JsonValueScanner:
             raise JsonScanError(pos)
         return pos + 1
 
-    def _end_value(self) -> bool:
-        """A value just ended: True when it was the top-level one."""
-        if not self._stack:
-            return True
-        self._state = _S.AFTER_VALUE
-        return False
+    def _close(self, pos: int) -> int:
+        """text[pos] closes the innermost container."""
+        self._stack.pop()
+        return self._end_value(pos + 1)
+
+    def _end_value(self, pos: int) -> int:
+        """A value ended just before ``pos``: the top-level one ends the scan (END); after an
+        inner one, its container's "," or closing bracket comes next."""
+        self._state = _S.AFTER_VALUE if self._stack else _S.END
+        return pos

@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from enum import Enum
+from typing import ClassVar
 
 from render_server.parsing.tool_parsers.base import Status
 from render_server.parsing.tool_parsers.json_scan import (
     SIMPLE_STRING,
     JsonScanError,
     JsonValueScanner,
+    StateEnum,
     skip_ws,
 )
 
 
-class _R(Enum):
+class _R(StateEnum):
     OPEN = 1  # before "{"
     FIRST_KEY = 2  # after "{": a key or "}"
     KEY = 3  # after ",": a key
@@ -30,6 +31,11 @@ class _R(Enum):
     IN_ARGS = 8
     IN_OTHER = 9  # a member the call does not use: checked and skipped
     NEXT = 10  # "," or "}"
+
+
+# What a reader's step returns: the next position, and None to go on or the Status that ends
+# the feed.
+_Outcome = tuple[int, Status | None]
 
 
 class JsonCallReader:
@@ -63,64 +69,89 @@ class JsonCallReader:
         self.committed = False
 
     def feed(self, text: str, pos: int) -> tuple[int, Status]:
+        # Invariant: a scanner exists exactly in the IN_* states, and reads their key or value;
+        # each other state takes one step (`_STEPS`) at the next non-whitespace character.
         n = len(text)
-        while True:
+        status: Status | None = None
+        while status is None:
             if self._scanner is not None:
-                try:
-                    end = self._scanner.feed(text, pos)
-                except JsonScanError as exc:
-                    self._drain_args()
-                    return exc.pos, Status.FAILED
-                self._drain_args()
-                if end < 0:
-                    return n, Status.NEED_MORE
-                pos = end
-                if not self._value_done():
-                    return pos, Status.FAILED
+                pos, status = self._scan_value(text, pos)
                 continue
             pos = skip_ws(text, pos)
             if pos >= n:
                 return n, Status.NEED_MORE
-            ch = text[pos]
-            state = self._state
-            if state is _R.OPEN:
-                if ch != "{":
-                    return pos, Status.FAILED
-                self._state = _R.FIRST_KEY
-                pos += 1
-            elif ch == "}" and state in (_R.FIRST_KEY, _R.NEXT):
-                if not self._close():
-                    return pos, Status.FAILED
-                return pos + 1, Status.DONE
-            elif state in (_R.FIRST_KEY, _R.KEY):
-                if ch != '"':
-                    return pos, Status.FAILED
-                simple = SIMPLE_STRING.match(text, pos)
-                if simple:  # the common case, without a scanner
-                    self._key, self._state = simple.group(1), _R.COLON
-                    pos = simple.end()
-                else:
-                    self._state = _R.IN_KEY
-                    self._scanner = JsonValueScanner(collect=True)
-            elif state is _R.COLON:
-                if ch != ":":
-                    return pos, Status.FAILED
-                self._state = _R.VALUE
-                pos += 1
-            elif state is _R.VALUE:
-                simple = SIMPLE_STRING.match(text, pos) if self._key == "name" else None
-                if simple and self._name is None:  # the common case, without a scanner
-                    self._name, self._state = simple.group(1), _R.NEXT
-                    pos = simple.end()
-                    if not self._name_is_ok():
-                        return pos, Status.FAILED
-                elif not self._start_member_value(ch):
-                    return pos, Status.FAILED
-            else:  # _R.NEXT
-                if ch != ",":
-                    return pos, Status.FAILED
-                self._state = _R.KEY
-                pos += 1
+            pos, status = self._STEPS[self._state](self, text, pos)
+        return pos, status
+
+    def _scan_value(self, text: str, pos: int) -> _Outcome:
+        assert self._scanner is not None
+        try:
+            end = self._scanner.feed(text, pos)
+        except JsonScanError as exc:
+            self._drain_args()
+            return exc.pos, Status.FAILED
+        self._drain_args()
+        if end < 0:
+            return len(text), Status.NEED_MORE
+        return end, None if self._value_done() else Status.FAILED
+
+    # -- the steps: one per state outside a scanned value ------------------------------------
+
+    def _step_open(self, text: str, pos: int) -> _Outcome:
+        if text[pos] != "{":
+            return pos, Status.FAILED
+        self._state = _R.FIRST_KEY
+        return pos + 1, None
+
+    def _step_first_key(self, text: str, pos: int) -> _Outcome:
+        if text[pos] == "}":
+            return self._close(pos)
+        return self._step_key(text, pos)
+
+    def _step_key(self, text: str, pos: int) -> _Outcome:
+        if text[pos] != '"':
+            return pos, Status.FAILED
+        simple = SIMPLE_STRING.match(text, pos)
+        if simple:  # the common case, without a scanner
+            self._key, self._state = simple.group(1), _R.COLON
+            return simple.end(), None
+        self._state = _R.IN_KEY
+        self._scanner = JsonValueScanner(collect=True)
+        return pos, None
+
+    def _step_colon(self, text: str, pos: int) -> _Outcome:
+        if text[pos] != ":":
+            return pos, Status.FAILED
+        self._state = _R.VALUE
+        return pos + 1, None
+
+    def _step_value(self, text: str, pos: int) -> _Outcome:
+        simple = SIMPLE_STRING.match(text, pos) if self._key == "name" else None
+        if simple and self._name is None:  # the common case, without a scanner
+            self._name, self._state = simple.group(1), _R.NEXT
+            return simple.end(), None if self._name_is_ok() else Status.FAILED
+        if not self._start_member_value(text[pos]):
+            return pos, Status.FAILED
+        return pos, None
+
+    def _step_next(self, text: str, pos: int) -> _Outcome:
+        ch = text[pos]
+        if ch == "}":
+            return self._close(pos)
+        if ch != ",":
+            return pos, Status.FAILED
+        self._state = _R.KEY
+        return pos + 1, None
+
+    # The state -> step table (plain functions: `feed` passes self); IN_* have none.
+    _STEPS: ClassVar[dict[_R, Callable[[JsonCallReader, str, int], _Outcome]]] = {
+        _R.OPEN: _step_open,
+        _R.FIRST_KEY: _step_first_key,
+        _R.KEY: _step_key,
+        _R.COLON: _step_colon,
+        _R.VALUE: _step_value,
+        _R.NEXT: _step_next,
+    }
 
     def _start_member_value(self, ch: str) -> bool:
         if self._key == "name":
@@ -162,14 +193,15 @@ class JsonCallReader:
         assert self._name is not None
         return self._is_known(self._name)
 
-    def _close(self) -> bool:
-        """The object closed: commit now if the name came last or there were no arguments."""
+    def _close(self, pos: int) -> tuple[int, Status]:
+        """The object closes at ``pos``: commit now if the name came last or there were no
+        arguments."""
         if self._name is None:
-            return False
+            return pos, Status.FAILED
         if not self.committed:
             self._commit_now()
             self._emit_args(self._held_args if self._held_args is not None else "{}")
-        return True
+        return pos + 1, Status.DONE
 
     def _commit_now(self) -> None:
         assert self._name is not None

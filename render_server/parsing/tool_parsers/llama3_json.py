@@ -11,16 +11,17 @@ works. "arguments" is accepted for "parameters".
 
 from __future__ import annotations
 
-from enum import Enum
+from collections.abc import Callable
+from typing import ClassVar
 
 from render_server.parsing.tool_parsers.base import Status, ToolParser, Tools
 from render_server.parsing.tool_parsers.json_call import JsonCallReader
-from render_server.parsing.tool_parsers.json_scan import skip_ws
+from render_server.parsing.tool_parsers.json_scan import StateEnum, skip_ws
 
 PYTHON_TAG = "<|python_tag|>"
 
 
-class _State(Enum):
+class _State(StateEnum):
     START = 1  # nothing but whitespace so far
     CALL = 2
     AFTER = 3  # after a call: ";" and another, or the end of the calls
@@ -43,49 +44,64 @@ class Llama3JsonToolParser(ToolParser):
         self._state = _State.CALL
 
     def _consume(self, text: str, final: bool) -> None:
+        # Each step advances from pos in its state (`_STEPS`) and returns the next position,
+        # or -1 once the text is used up (with ``final``, only once nothing is held).
         pos = 0
-        while True:
-            if self._state is _State.START:
-                start = skip_ws(text, pos)
-                self._emit_content(text[pos:start])  # held, and dropped if a call follows
-                pos = start
-                if pos == len(text):
-                    return
-                if text.startswith(PYTHON_TAG, pos):
-                    self._open_call(pos)
-                    pos += len(PYTHON_TAG)
-                elif not final and PYTHON_TAG.startswith(text[pos:]):
-                    self._tail = text[pos:]
-                    return
-                elif text[pos] == "{":
-                    self._open_call(pos)
-                else:
-                    self._state = _State.PROSE
-            elif self._state is _State.CALL:
-                assert self._reader is not None
-                pos, status = self._reader.feed(text, pos)
-                if status is Status.NEED_MORE and not final:
-                    return
-                if self._reader.committed:
-                    self._end_call()
-                    self._state = _State.AFTER if status is Status.DONE else _State.PROSE
-                else:
-                    self._fail_attempt(text, pos)
-                    self._state = _State.PROSE
-                self._reader = None
-                if status is Status.NEED_MORE:
-                    return
-            elif self._state is _State.AFTER:
-                start = skip_ws(text, pos)
-                self._emit_content(text[pos:start])  # held, and dropped if a call follows
-                pos = start
-                if pos == len(text):
-                    return
-                if text[pos] == ";":
-                    self._open_call(pos)  # a failed next call gives its ";" back as content
-                    pos += 1
-                else:
-                    self._state = _State.PROSE
-            else:  # _State.PROSE
-                self._emit_content(text[pos:])
-                return
+        while pos >= 0:
+            pos = self._STEPS[self._state](self, text, pos, final)
+
+    def _step_start(self, text: str, pos: int, final: bool) -> int:
+        start = skip_ws(text, pos)
+        self._emit_content(text[pos:start])  # held, and dropped if a call follows
+        pos = start
+        if pos == len(text):
+            return -1
+        if text.startswith(PYTHON_TAG, pos):
+            self._open_call(pos)
+            return pos + len(PYTHON_TAG)
+        if not final and PYTHON_TAG.startswith(text[pos:]):
+            self._tail = text[pos:]
+            return -1
+        if text[pos] == "{":
+            self._open_call(pos)
+        else:
+            self._state = _State.PROSE
+        return pos
+
+    def _step_call(self, text: str, pos: int, final: bool) -> int:
+        assert self._reader is not None
+        pos, status = self._reader.feed(text, pos)
+        if status is Status.NEED_MORE and not final:
+            return -1
+        if self._reader.committed:
+            self._end_call()
+            self._state = _State.AFTER if status is Status.DONE else _State.PROSE
+        else:
+            self._fail_attempt(text, pos)
+            self._state = _State.PROSE
+        self._reader = None
+        return -1 if status is Status.NEED_MORE else pos  # NEED_MORE: the output ended
+
+    def _step_after(self, text: str, pos: int, final: bool) -> int:
+        start = skip_ws(text, pos)
+        self._emit_content(text[pos:start])  # held, and dropped if a call follows
+        pos = start
+        if pos == len(text):
+            return -1
+        if text[pos] == ";":
+            self._open_call(pos)  # a failed next call gives its ";" back as content
+            return pos + 1
+        self._state = _State.PROSE
+        return pos
+
+    def _step_prose(self, text: str, pos: int, final: bool) -> int:
+        self._emit_content(text[pos:])
+        return -1
+
+    # The state -> step table (plain functions: `_consume` passes self).
+    _STEPS: ClassVar[dict[_State, Callable[[Llama3JsonToolParser, str, int, bool], int]]] = {
+        _State.START: _step_start,
+        _State.CALL: _step_call,
+        _State.AFTER: _step_after,
+        _State.PROSE: _step_prose,
+    }

@@ -12,7 +12,8 @@ after the array, is content. Mistral's chat template wants 9-character alphanume
 from __future__ import annotations
 
 import re
-from enum import Enum
+from collections.abc import Callable
+from typing import ClassVar
 
 from render_server.parsing.tool_parsers.base import (
     Status,
@@ -22,7 +23,12 @@ from render_server.parsing.tool_parsers.base import (
     random_alphanumeric,
 )
 from render_server.parsing.tool_parsers.json_call import JsonCallReader
-from render_server.parsing.tool_parsers.json_scan import JsonScanError, JsonValueScanner, skip_ws
+from render_server.parsing.tool_parsers.json_scan import (
+    JsonScanError,
+    JsonValueScanner,
+    StateEnum,
+    skip_ws,
+)
 
 TOOL_CALLS_TAG = "[TOOL_CALLS]"
 ARGS_TAG = "[ARGS]"
@@ -36,7 +42,7 @@ def _name_end(text: str, pos: int) -> int:
     return match.end()
 
 
-class _State(Enum):
+class _State(StateEnum):
     CONTENT = 1
     SECTION = 2  # after [TOOL_CALLS]: "[" (a JSON array) or a name (the [ARGS] shape)
     ELEMENT = 3  # an object of the array
@@ -64,103 +70,113 @@ class MistralToolParser(ToolParser):
         return random_alphanumeric(9)
 
     def _consume(self, text: str, final: bool) -> None:
+        # Each step advances from pos in its state (`_STEPS`) and returns the next position,
+        # or -1 once the text is used up (with ``final``, only once nothing is held). An
+        # attempt is open from SECTION on until the call is announced or given back.
         pos = 0
         while pos >= 0:
-            pos = self._step(text, pos, final)
+            pos = self._STEPS[self._state](self, text, pos, final)
 
-    def _step(self, text: str, pos: int, final: bool) -> int:
-        """Advance from ``pos`` in the current state: the next position, or -1 to wait for
-        more text (with ``final``, only once nothing is held)."""
-        state, n = self._state, len(text)
-        if state is _State.CONTENT:
-            start = text.find(TOOL_CALLS_TAG, pos)
-            if start < 0:
-                keep = 0 if final else partial_tag_len(text, pos, TOOL_CALLS_TAG)
-                self._emit_content(text[pos : n - keep])
-                self._tail = text[n - keep :]
-                return -1
-            body = skip_ws(text, start + len(TOOL_CALLS_TAG))
-            if body < n and text[body] != "[" and not _name_end(text, body) > body:
-                # Plainly not a call (SECTION would fail right here): skip the attempt.
-                self._emit_content(text[pos:body])
-                return body
-            self._emit_content(text[pos:start])
-            self._begin_attempt(start)
-            self._state = _State.SECTION
-            return start + len(TOOL_CALLS_TAG)
-        if state is _State.ELEMENT:
-            assert self._reader is not None
-            pos, status = self._reader.feed(text, pos)
-            if status is Status.NEED_MORE:
-                if final:
-                    self._stop(text, n, self._reader.committed)
-                return -1
-            committed, self._reader = self._reader.committed, None
-            if status is Status.FAILED:
-                return self._stop(text, pos, committed)
-            self._end_call()
-            self._state = _State.ARRAY_NEXT
-            return pos
-        if state is _State.NAME:
-            end = _name_end(text, pos)
-            self._name_parts.append(text[pos:end])
-            if end == n:
-                return self._out_of_text(text, final)
-            name = "".join(self._name_parts)
-            if text[end] != "[" or not name or not self.is_known_tool(name):
-                return self._stop(text, end, committed=False)
-            self._state, self._matched = _State.ARGS_TAG, 0
-            return end
-        if state is _State.ARGS_TAG:
-            while pos < n and self._matched < len(ARGS_TAG):
-                if text[pos] != ARGS_TAG[self._matched]:
-                    return self._stop(text, pos, committed=False)
-                pos += 1
-                self._matched += 1
-            if self._matched < len(ARGS_TAG):
-                return self._out_of_text(text, final)
-            self._state = _State.ARGS_OPEN
-            return pos
-        if state is _State.ARGS:
-            return self._scan_args(text, pos, final)
-        if state is _State.ARRAY_NEXT:
-            start = skip_ws(text, pos)
-            self._emit_content(text[pos:start])  # held: content only if the array ends early
-            if start == n:
-                return -1
-            self._state = _State.CONTENT  # unless another element follows
-            if text[start] == ",":
-                self._begin_attempt(start)  # a failed element gives its "," back as content
-                self._open_element()
-            elif text[start] == "]":
-                self._drop_held_ws()
-            return start + 1 if text[start] in ",]" else start
-        # The rest start at the next non-whitespace character.
+    def _step_content(self, text: str, pos: int, final: bool) -> int:
+        n = len(text)
+        start = text.find(TOOL_CALLS_TAG, pos)
+        if start < 0:
+            keep = 0 if final else partial_tag_len(text, pos, TOOL_CALLS_TAG)
+            self._emit_content(text[pos : n - keep])
+            self._tail = text[n - keep :]
+            return -1
+        body = skip_ws(text, start + len(TOOL_CALLS_TAG))
+        if body < n and text[body] != "[" and not _name_end(text, body) > body:
+            # Plainly not a call (SECTION would fail right here): skip the attempt.
+            self._emit_content(text[pos:body])
+            return body
+        self._emit_content(text[pos:start])
+        self._begin_attempt(start)
+        self._state = _State.SECTION
+        return start + len(TOOL_CALLS_TAG)
+
+    def _step_section(self, text: str, pos: int, final: bool) -> int:
         pos = skip_ws(text, pos)
-        if pos == n:
+        if pos == len(text):
             return self._out_of_text(text, final)
-        ch = text[pos]
-        if state is _State.SECTION:
-            if ch == "[":
-                self._open_element()
-                return pos + 1
-            if _name_end(text, pos) > pos:
-                self._state, self._name_parts = _State.NAME, []
-                return pos
-            return self._stop(text, pos, committed=False)
-        # _State.ARGS_OPEN
-        if ch != "{":
+        if text[pos] == "[":
+            self._open_element()
+            return pos + 1
+        if _name_end(text, pos) > pos:
+            self._state, self._name_parts = _State.NAME, []
+            return pos
+        return self._stop(text, pos, committed=False)
+
+    # -- the array shape -------------------------------------------------------------------
+
+    def _step_element(self, text: str, pos: int, final: bool) -> int:
+        assert self._reader is not None
+        pos, status = self._reader.feed(text, pos)
+        if status is Status.NEED_MORE:
+            if final:
+                self._stop(text, len(text), self._reader.committed)
+            return -1
+        committed, self._reader = self._reader.committed, None
+        if status is Status.FAILED:
+            return self._stop(text, pos, committed)
+        self._end_call()
+        self._state = _State.ARRAY_NEXT
+        return pos
+
+    def _step_array_next(self, text: str, pos: int, final: bool) -> int:
+        start = skip_ws(text, pos)
+        self._emit_content(text[pos:start])  # held: content only if the array ends early
+        if start == len(text):
+            return -1
+        self._state = _State.CONTENT  # unless another element follows
+        if text[start] == ",":
+            self._begin_attempt(start)  # a failed element gives its "," back as content
+            self._open_element()
+        elif text[start] == "]":
+            self._drop_held_ws()
+        return start + 1 if text[start] in ",]" else start
+
+    def _open_element(self) -> None:
+        self._reader = JsonCallReader(self.is_known_tool, self._start_call, self._emit_args)
+        self._state = _State.ELEMENT
+
+    # -- the [ARGS] shape ------------------------------------------------------------------
+
+    def _step_name(self, text: str, pos: int, final: bool) -> int:
+        end = _name_end(text, pos)
+        self._name_parts.append(text[pos:end])
+        if end == len(text):
+            return self._out_of_text(text, final)
+        name = "".join(self._name_parts)
+        if text[end] != "[" or not name or not self.is_known_tool(name):
+            return self._stop(text, end, committed=False)
+        self._state, self._matched = _State.ARGS_TAG, 0
+        return end
+
+    def _step_args_tag(self, text: str, pos: int, final: bool) -> int:
+        n = len(text)
+        while pos < n and self._matched < len(ARGS_TAG):
+            if text[pos] != ARGS_TAG[self._matched]:
+                return self._stop(text, pos, committed=False)
+            pos += 1
+            self._matched += 1
+        if self._matched < len(ARGS_TAG):
+            return self._out_of_text(text, final)
+        self._state = _State.ARGS_OPEN
+        return pos
+
+    def _step_args_open(self, text: str, pos: int, final: bool) -> int:
+        pos = skip_ws(text, pos)
+        if pos == len(text):
+            return self._out_of_text(text, final)
+        if text[pos] != "{":
             return self._stop(text, pos, committed=False)
         self._start_call("".join(self._name_parts))
         self._scanner = JsonValueScanner(collect=True, require_object=True)
         self._state = _State.ARGS
         return pos
 
-    def _open_element(self) -> None:
-        self._reader = JsonCallReader(self.is_known_tool, self._start_call, self._emit_args)
-        self._state = _State.ELEMENT
-
-    def _scan_args(self, text: str, pos: int, final: bool) -> int:
+    def _step_args(self, text: str, pos: int, final: bool) -> int:
         assert self._scanner is not None
         try:
             end = self._scanner.feed(text, pos)
@@ -177,6 +193,18 @@ class MistralToolParser(ToolParser):
         self._end_call()
         self._state = _State.CONTENT
         return end
+
+    # The state -> step table (plain functions: `_consume` passes self).
+    _STEPS: ClassVar[dict[_State, Callable[[MistralToolParser, str, int, bool], int]]] = {
+        _State.CONTENT: _step_content,
+        _State.SECTION: _step_section,
+        _State.ELEMENT: _step_element,
+        _State.ARRAY_NEXT: _step_array_next,
+        _State.NAME: _step_name,
+        _State.ARGS_TAG: _step_args_tag,
+        _State.ARGS_OPEN: _step_args_open,
+        _State.ARGS: _step_args,
+    }
 
     def _out_of_text(self, text: str, final: bool) -> int:
         """The text ran out before the call was announced: wait, or give it back at the end."""

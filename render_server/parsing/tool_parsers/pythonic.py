@@ -16,11 +16,11 @@ import ast
 import json
 import re
 import warnings
-from enum import Enum
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 from render_server.parsing.tool_parsers.base import Status, ToolParser, Tools
-from render_server.parsing.tool_parsers.json_scan import skip_ws
+from render_server.parsing.tool_parsers.json_scan import StateEnum, skip_ws
 
 START_TAG = "<|python_start|>"
 END_TAG = "<|python_end|>"
@@ -35,7 +35,7 @@ _SHORT_STRING_RUN = {q: re.compile(rf"[^\\\n{q}]+") for q in "'\""}
 _LONG_STRING_RUN = {q: re.compile(rf"[^\\{q}]+") for q in "'\""}
 
 
-class _State(Enum):
+class _State(StateEnum):
     START = 1  # nothing but whitespace so far
     OPEN = 2  # after <|python_start|>: "["
     ELEMENT = 3  # a call's name must start here
@@ -46,7 +46,7 @@ class _State(Enum):
     PROSE = 8  # everything from here on is content
 
 
-class _Lex(Enum):
+class _Lex(StateEnum):
     """Where the body scanner is in Python's lexical structure."""
 
     CODE = 1
@@ -73,99 +73,119 @@ class PythonicToolParser(ToolParser):
         self._escape = False
 
     def _consume(self, text: str, final: bool) -> None:
+        # Each step advances from pos in its state (`_STEPS`) and returns the next position,
+        # or -1 once the text is used up (with ``final``, only once nothing is held). An
+        # attempt is open from ELEMENT (or OPEN) until the call is announced or given up.
         pos = 0
         while pos >= 0:
-            pos = self._step(text, pos, final)
+            pos = self._STEPS[self._state](self, text, pos, final)
 
-    def _step(self, text: str, pos: int, final: bool) -> int:
-        """Advance from ``pos``: the next position, or -1 to wait for more text."""
-        state, n = self._state, len(text)
-        if state is _State.PROSE:
-            self._emit_content(text[pos:])
+    def _step_start(self, text: str, pos: int, final: bool) -> int:
+        start = skip_ws(text, pos)
+        self._emit_content(text[pos:start])  # held, and dropped if a call follows
+        pos = start
+        if pos == len(text):
             return -1
-        if state is _State.NAME:
-            name_run = _NAME_RUN.match(text, pos)
-            assert name_run is not None  # "*" matches the empty string
-            end = name_run.end()
-            self._call.append(text[pos:end])
-            if end == n:
-                return self._out_of_text(text, final)
-            self._name = "".join(self._call)
-            if text[end] != "(" or not self.is_known_tool(self._name):
-                return self._give_up(text, end)
-            self._call.append("(")
-            self._state, self._depth, self._lex = _State.BODY, 1, _Lex.CODE
-            return end + 1
-        if state is _State.BODY:
-            end, status = self._scan_body(text, pos)
-            self._call.append(text[pos:end])
-            if status is Status.FAILED:
-                return self._give_up(text, end)
-            if status is Status.NEED_MORE:
-                return self._out_of_text(text, final)
-            return self._close_call(text, end)
-        if state is _State.START:
-            start = skip_ws(text, pos)
-            self._emit_content(text[pos:start])  # held, and dropped if a call follows
-            pos = start
-            if pos == n:
-                return -1
-            if text.startswith(START_TAG, pos):
-                self._begin_attempt(pos)
-                self._state = _State.OPEN
-                return pos + len(START_TAG)
-            if not final and START_TAG.startswith(text[pos:]):
-                self._tail = text[pos:]
-                return -1
-            if text[pos] != "[":
-                self._state = _State.PROSE
-                return pos
+        if text.startswith(START_TAG, pos):
             self._begin_attempt(pos)
-            self._state = _State.ELEMENT
-            return pos + 1
-        if state is _State.END:
-            start = skip_ws(text, pos)
-            self._emit_content(text[pos:start])  # held: content only if no tag follows
-            pos = start
-            if text.startswith(END_TAG, pos):
-                self._drop_held_ws()
-                self._state = _State.PROSE
-                return pos + len(END_TAG)
-            if not final and END_TAG.startswith(text[pos:]):
-                self._tail = text[pos:]  # empty, or the end tag's beginning
-                return -1
+            self._state = _State.OPEN
+            return pos + len(START_TAG)
+        if not final and START_TAG.startswith(text[pos:]):
+            self._tail = text[pos:]
+            return -1
+        if text[pos] != "[":
             self._state = _State.PROSE
             return pos
-        if state is _State.AFTER:
-            start = skip_ws(text, pos)
-            self._emit_content(text[pos:start])  # held: content only if the list ends early
-            if start == n:
-                return -1
-            if text[start] == ",":
-                self._begin_attempt(start)  # a failed call gives its "," back as content
-                self._state = _State.ELEMENT
-                return start + 1
-            if text[start] == "]":
-                self._drop_held_ws()
-                self._state = _State.END
-                return start + 1
-            self._state = _State.PROSE
-            return start
-        # OPEN and ELEMENT start at the next non-whitespace character.
+        self._begin_attempt(pos)
+        self._state = _State.ELEMENT
+        return pos + 1
+
+    def _step_open(self, text: str, pos: int, final: bool) -> int:
         pos = skip_ws(text, pos)
-        if pos == n:
+        if pos == len(text):
             return self._out_of_text(text, final)
-        ch = text[pos]
-        if state is _State.OPEN:
-            if ch != "[":
-                return self._give_up(text, pos)
-            self._state = _State.ELEMENT
-            return pos + 1
-        # _State.ELEMENT
-        if not _NAME_START.match(ch):
+        if text[pos] != "[":
+            return self._give_up(text, pos)
+        self._state = _State.ELEMENT
+        return pos + 1
+
+    def _step_element(self, text: str, pos: int, final: bool) -> int:
+        pos = skip_ws(text, pos)
+        if pos == len(text):
+            return self._out_of_text(text, final)
+        if not _NAME_START.match(text[pos]):
             return self._give_up(text, pos)
         self._state, self._call = _State.NAME, []
         return pos
+
+    def _step_name(self, text: str, pos: int, final: bool) -> int:
+        name_run = _NAME_RUN.match(text, pos)
+        assert name_run is not None  # "*" matches the empty string
+        end = name_run.end()
+        self._call.append(text[pos:end])
+        if end == len(text):
+            return self._out_of_text(text, final)
+        self._name = "".join(self._call)
+        if text[end] != "(" or not self.is_known_tool(self._name):
+            return self._give_up(text, end)
+        self._call.append("(")
+        self._state, self._depth, self._lex = _State.BODY, 1, _Lex.CODE
+        return end + 1
+
+    def _step_body(self, text: str, pos: int, final: bool) -> int:
+        end, status = self._scan_body(text, pos)
+        self._call.append(text[pos:end])
+        if status is Status.FAILED:
+            return self._give_up(text, end)
+        if status is Status.NEED_MORE:
+            return self._out_of_text(text, final)
+        return self._close_call(text, end)
+
+    def _step_after(self, text: str, pos: int, final: bool) -> int:
+        start = skip_ws(text, pos)
+        self._emit_content(text[pos:start])  # held: content only if the list ends early
+        if start == len(text):
+            return -1
+        if text[start] == ",":
+            self._begin_attempt(start)  # a failed call gives its "," back as content
+            self._state = _State.ELEMENT
+            return start + 1
+        if text[start] == "]":
+            self._drop_held_ws()
+            self._state = _State.END
+            return start + 1
+        self._state = _State.PROSE
+        return start
+
+    def _step_end(self, text: str, pos: int, final: bool) -> int:
+        start = skip_ws(text, pos)
+        self._emit_content(text[pos:start])  # held: content only if no tag follows
+        pos = start
+        if text.startswith(END_TAG, pos):
+            self._drop_held_ws()
+            self._state = _State.PROSE
+            return pos + len(END_TAG)
+        if not final and END_TAG.startswith(text[pos:]):
+            self._tail = text[pos:]  # empty, or the end tag's beginning
+            return -1
+        self._state = _State.PROSE
+        return pos
+
+    def _step_prose(self, text: str, pos: int, final: bool) -> int:
+        self._emit_content(text[pos:])
+        return -1
+
+    # The state -> step table (plain functions: `_consume` passes self).
+    _STEPS: ClassVar[dict[_State, Callable[[PythonicToolParser, str, int, bool], int]]] = {
+        _State.START: _step_start,
+        _State.OPEN: _step_open,
+        _State.ELEMENT: _step_element,
+        _State.NAME: _step_name,
+        _State.BODY: _step_body,
+        _State.AFTER: _step_after,
+        _State.END: _step_end,
+        _State.PROSE: _step_prose,
+    }
 
     def _close_call(self, text: str, end: int) -> int:
         """The call's ``)`` is at end - 1: announce it if it is a valid literal call."""
@@ -195,64 +215,120 @@ class PythonicToolParser(ToolParser):
     def _scan_body(self, text: str, pos: int) -> tuple[int, Status]:
         """Scan a call's body for the ``)`` that closes it, through strings and comments.
         Only finds the end; `parse_call` judges what is inside."""
+        # Each lexer (`_LEXERS`) reads on while its lexical state lasts, and returns where it
+        # stopped: with None to go on (in the next state, or for more text), or with DONE
+        # (past the closing ")") or FAILED (at the offending character).
         n = len(text)
         while pos < n:
-            lex = self._lex
-            if lex is _Lex.CODE:
-                run = _CODE_RUN.match(text, pos)
-                if run:
-                    pos = run.end()
-                    continue
-                ch = text[pos]
-                if ch in "([{":
-                    if self._depth >= MAX_DEPTH:
-                        return pos, Status.FAILED
-                    self._depth += 1
-                elif ch in ")]}":
-                    self._depth -= 1
-                    if not self._depth:
-                        return (pos + 1, Status.DONE) if ch == ")" else (pos, Status.FAILED)
-                elif ch == "#":
-                    self._lex = _Lex.COMMENT
-                else:
-                    self._lex, self._quote, self._quotes = _Lex.QUOTES, ch, 1
-                pos += 1
-            elif lex is _Lex.QUOTES:  # after one or two opening quotes
-                if text[pos] == self._quote:
-                    self._quotes += 1
-                    pos += 1
-                    if self._quotes == 3:
-                        self._lex, self._quotes = _Lex.LONG, 0
-                else:  # '' is an empty string; after a single quote, a string's first char
-                    self._lex = _Lex.CODE if self._quotes == 2 else _Lex.SHORT
-            elif lex is _Lex.COMMENT:
-                comment = _COMMENT_RUN.match(text, pos)
-                assert comment is not None  # "*" matches the empty string
-                pos = comment.end()
-                if pos < n:
-                    self._lex = _Lex.CODE
-            elif self._escape:
+            pos, status = self._LEXERS[self._lex](self, text, pos)
+            if status is not None:
+                return pos, status
+        return n, Status.NEED_MORE
+
+    def _lex_code(self, text: str, pos: int) -> tuple[int, Status | None]:
+        """Code: brackets are counted (self._depth, the call's "(" included)."""
+        n = len(text)
+        while pos < n:
+            run = _CODE_RUN.match(text, pos)
+            if run:
+                pos = run.end()
+                if pos == n:
+                    break
+            ch = text[pos]
+            pos += 1
+            if ch in "([{":
+                if self._depth >= MAX_DEPTH:
+                    return pos - 1, Status.FAILED
+                self._depth += 1
+            elif ch in ")]}":
+                self._depth -= 1
+                if not self._depth:  # the call's own bracket: it must be its ")"
+                    return (pos, Status.DONE) if ch == ")" else (pos - 1, Status.FAILED)
+            elif ch == "#":
+                self._lex = _Lex.COMMENT
+                return pos, None
+            else:  # a quote
+                self._lex, self._quote, self._quotes = _Lex.QUOTES, ch, 1
+                return pos, None
+        return pos, None
+
+    def _lex_quotes(self, text: str, pos: int) -> tuple[int, Status | None]:
+        """After one or two opening quotes: a third opens a long string."""
+        if text[pos] == self._quote:
+            self._quotes += 1
+            if self._quotes == 3:
+                self._lex, self._quotes = _Lex.LONG, 0
+            return pos + 1, None
+        # '' is an empty string; after a single quote, this is a string's first character.
+        self._lex = _Lex.CODE if self._quotes == 2 else _Lex.SHORT
+        return pos, None
+
+    def _lex_comment(self, text: str, pos: int) -> tuple[int, Status | None]:
+        comment = _COMMENT_RUN.match(text, pos)
+        assert comment is not None  # "*" matches the empty string
+        pos = comment.end()
+        if pos < len(text):  # at the newline, which is code
+            self._lex = _Lex.CODE
+        return pos, None
+
+    def _lex_short(self, text: str, pos: int) -> tuple[int, Status | None]:
+        """In a '...' string, which a newline before its closing quote leaves unterminated."""
+        n = len(text)
+        run_of = _SHORT_STRING_RUN[self._quote]
+        while pos < n:
+            if self._escape:  # the character after a backslash
                 self._escape = False
                 pos += 1
-            else:
-                runs = _SHORT_STRING_RUN if lex is _Lex.SHORT else _LONG_STRING_RUN
-                run = runs[self._quote].match(text, pos)
-                if run:
-                    pos, self._quotes = run.end(), 0
-                    continue
-                ch = text[pos]
-                if ch == "\\":
-                    self._escape, self._quotes = True, 0
-                elif ch == "\n":  # only a short string stops at a newline: unterminated
-                    return pos, Status.FAILED
-                elif lex is _Lex.SHORT:
-                    self._lex = _Lex.CODE
-                else:
-                    self._quotes += 1
-                    if self._quotes == 3:
-                        self._lex, self._quotes = _Lex.CODE, 0
+                continue
+            run = run_of.match(text, pos)
+            if run:
+                pos = run.end()
+                continue
+            ch = text[pos]
+            if ch == "\n":
+                return pos, Status.FAILED
+            pos += 1
+            if ch == "\\":
+                self._escape = True
+            else:  # the closing quote
+                self._lex = _Lex.CODE
+                return pos, None
+        return pos, None
+
+    def _lex_long(self, text: str, pos: int) -> tuple[int, Status | None]:
+        """In a '''...''' string: self._quotes counts the quotes in a row, and three close it."""
+        n = len(text)
+        run_of = _LONG_STRING_RUN[self._quote]
+        while pos < n:
+            if self._escape:  # the character after a backslash
+                self._escape = False
                 pos += 1
-        return n, Status.NEED_MORE
+                continue
+            run = run_of.match(text, pos)
+            if run:
+                pos, self._quotes = run.end(), 0
+                continue
+            ch = text[pos]
+            pos += 1
+            if ch == "\\":
+                self._escape, self._quotes = True, 0
+                continue
+            self._quotes += 1
+            if self._quotes == 3:
+                self._lex, self._quotes = _Lex.CODE, 0
+                return pos, None
+        return pos, None
+
+    # The lexical state -> lexer table (plain functions: `_scan_body` passes self).
+    _LEXERS: ClassVar[
+        dict[_Lex, Callable[[PythonicToolParser, str, int], tuple[int, Status | None]]]
+    ] = {
+        _Lex.CODE: _lex_code,
+        _Lex.QUOTES: _lex_quotes,
+        _Lex.COMMENT: _lex_comment,
+        _Lex.SHORT: _lex_short,
+        _Lex.LONG: _lex_long,
+    }
 
 
 def parse_call(source: str) -> tuple[str, str] | None:

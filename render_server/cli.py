@@ -13,14 +13,14 @@ import signal
 import socket
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import uvicorn
 from pydantic import ValidationError
 from uvicorn.config import LOG_LEVELS
 
-from render_server.settings import LogLevel, RenderSettings
+from render_server.settings import RenderSettings
+from shared.cli_fields import add_fields, given_fields
 from shared.model_source import ModelNotFoundError
 
 if TYPE_CHECKING:
@@ -29,299 +29,24 @@ if TYPE_CHECKING:
 PROG = "render-serve"
 
 
-def _default(field: str) -> Any:
-    info = RenderSettings.model_fields[field]
-    return info.get_default(call_default_factory=True)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    """The flags of render-serve; each one is also a DUET_* environment variable."""
+    """The flags of render-serve: one per RenderSettings field, each also a DUET_* variable."""
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="duet's CPU render server: OpenAI-style HTTP front, chat templates and "
         "tokenization. Every flag can also be set as DUET_<NAME> in the environment.",
-        # Unset flags must stay unset so the environment and the defaults can fill them.
-        argument_default=argparse.SUPPRESS,
     )
-    model = parser.add_argument_group("model")
-    model.add_argument(
-        "--model",
-        help=f"built-in model name, .gguf file or HF model directory "
-        f"(default: {_default('model')})",
-    )
-    model.add_argument(
-        "--served-model-name",
-        metavar="NAME",
-        help="the id clients pass as `model` (default: the model's own name)",
-    )
-    model.add_argument(
-        "--chat-template",
-        type=Path,
-        metavar="FILE",
-        help="jinja file replacing the model's chat template, or the name of a built-in "
-        "one: chatml_tools (hermes-style tool calling)",
-    )
-    model.add_argument(
-        "--trust-request-chat-template",
-        action="store_true",
-        help="honour a `chat_template` sent in a request (still sandboxed and time-limited)",
-    )
-    model.add_argument(
-        "--tokenize-special-text-in-content",
-        action="store_true",
-        help="read special-token text inside message content as special tokens (unsafe)",
-    )
-    model.add_argument(
-        "--render-deadline",
-        dest="render_deadline_s",
-        type=float,
-        metavar="SECONDS",
-        help=f"time budget of one chat-template render (default: {_default('render_deadline_s')})",
-    )
-    model.add_argument(
-        "--tokenizer-cache-mb",
-        type=int,
-        metavar="MB",
-        help="cache of token ids of text seen before, e.g. system prompts; 0 turns it off, "
-        "so that request timing cannot tell whether another client sent the same text "
-        f"(default: {_default('tokenizer_cache_mb')})",
-    )
-
-    workers = parser.add_argument_group(
-        "workers (default: start a local gpu-worker and serve through it)"
-    )
-    workers.add_argument(
-        "--worker",
-        dest="workers",
-        action="append",
-        metavar="ADDR",
-        help="ZMQ address of a running gpu-worker (tcp://HOST:PORT or ipc://PATH); repeat "
-        "for several. Without any, render-serve starts a local worker itself",
-    )
-    workers.add_argument(
-        "--worker-dns",
-        dest="worker_dns",
-        action="append",
-        metavar="HOST:PORT",
-        help="find workers in DNS: every A/AAAA record of HOST (e.g. a Kubernetes headless "
-        "Service) is a worker on PORT; re-resolved every --worker-dns-interval, so workers "
-        "join and leave without a restart. Repeatable; combines with --worker",
-    )
-    workers.add_argument(
-        "--worker-dns-interval",
-        dest="worker_dns_interval_s",
-        type=float,
-        metavar="SECONDS",
-        help=f"how often --worker-dns is resolved again "
-        f"(default: {_default('worker_dns_interval_s')})",
-    )
-    # Testing hook: answers --worker-dns from a `module:function` instead of DNS.
-    workers.add_argument("--worker-dns-resolver", help=argparse.SUPPRESS)
-    workers.add_argument(
-        "--routing",
-        choices=["prefix", "round_robin"],
-        help="how requests pick a worker: prefix (least load, preferring the worker that "
-        "likely caches the prompt's prefix) or round_robin (each in turn, for comparison) "
-        f"(default: {_default('routing')})",
-    )
-    workers.add_argument(
-        "--render-only",
-        action="store_true",
-        help="no workers: serve tokenize, detokenize and models only (generation is a 503)",
-    )
-    workers.add_argument(
-        "--worker-device",
-        metavar="DEVICE",
-        help="device of the local worker: auto, cuda or cpu "
-        f"(default: {_default('worker_device')})",
-    )
-    workers.add_argument(
-        "--worker-arg",
-        dest="worker_args",
-        action="append",
-        metavar="FLAG",
-        help="extra flag for the local worker, e.g. --worker-arg=--max-num-seqs=64; repeatable",
-    )
-    workers.add_argument(
-        "--worker-ready-timeout",
-        dest="worker_ready_timeout_s",
-        type=float,
-        metavar="SECONDS",
-        help="how long to wait for the local worker to load "
-        f"(default: {_default('worker_ready_timeout_s')})",
-    )
-    workers.add_argument(
-        "--heartbeat-timeout",
-        dest="heartbeat_timeout_s",
-        type=float,
-        metavar="SECONDS",
-        help=f"a worker silent this long is dead (default: {_default('heartbeat_timeout_s')})",
-    )
-    workers.add_argument(
-        "--zmq-curve-dir",
-        type=Path,
-        metavar="DIR",
-        help="encrypt worker traffic with CURVE: DIR holds render.key_secret and the "
-        "worker's public worker.key (see shared/curve.py)",
-    )
-    workers.add_argument(
-        "--max-pending",
-        type=int,
-        metavar="N",
-        help="generation requests in flight per process before 429 "
-        f"(default: {_default('max_pending')})",
-    )
-    workers.add_argument(
-        "--write-timeout",
-        dest="write_timeout_s",
-        type=float,
-        metavar="SECONDS",
-        help="cut off a client that stops reading its stream for this long "
-        f"(default: {_default('write_timeout_s')})",
-    )
-    workers.add_argument(
-        "--drain-timeout",
-        dest="drain_timeout_s",
-        type=float,
-        metavar="SECONDS",
-        help="on SIGTERM, /ready turns 503 and in-flight streams get this long to finish "
-        f"(default: {_default('drain_timeout_s')})",
-    )
-    tools = parser.add_argument_group("tool calling and reasoning")
-    tools.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help='let the model decide when to call tools (tool_choice "auto")',
-    )
-    tools.add_argument(
-        "--tool-call-parser",
-        metavar="NAME",
-        help="how to read tool calls in the model's text: hermes, llama3_json, mistral, pythonic",
-    )
-    tools.add_argument(
-        "--reasoning-parser",
-        metavar="NAME",
-        help="split the model's reasoning from its answer: deepseek_r1 or qwen3",
-    )
-    tools.add_argument(
-        "--structured-outputs-in-reasoning",
-        action="store_true",
-        help="apply structured-output constraints to the reasoning too (by default they "
-        "hold only for the answer after it)",
-    )
-    workers.add_argument(
-        "--max-n",
-        type=int,
-        metavar="N",
-        help=f"largest `n` a request may ask for (default: {_default('max_n')})",
-    )
-
-    http = parser.add_argument_group("HTTP")
-    http.add_argument("--host", help=f"address to bind (default: {_default('host')})")
-    http.add_argument("--port", type=int, help=f"port to bind (default: {_default('port')})")
-    http.add_argument(
-        "--processes",
-        type=int,
-        metavar="N",
-        help="render processes sharing the port, each connected to every worker; /metrics "
-        f"sums them all (default: {_default('processes')})",
-    )
-    http.add_argument(
-        "--api-key",
-        dest="api_keys",
-        action="append",
-        metavar="KEY",
-        help="accepted Bearer token; repeat for several. Every route but /health and "
-        "/version then needs one (env: DUET_API_KEY=k1,k2)",
-    )
-    http.add_argument(
-        "--root-path",
-        metavar="PREFIX",
-        help="path prefix when served behind a proxy that strips it (e.g. /api)",
-    )
-    http.add_argument(
-        "--max-body-bytes",
-        type=int,
-        metavar="BYTES",
-        help=f"largest request body, else 413 (default: {_default('max_body_bytes')})",
-    )
-    http.add_argument(
-        "--max-header-bytes",
-        type=int,
-        metavar="BYTES",
-        help=f"largest total header size, else 431 (default: {_default('max_header_bytes')})",
-    )
-    http.add_argument(
-        "--max-header-count",
-        type=int,
-        metavar="COUNT",
-        help=f"most request headers, else 431 (default: {_default('max_header_count')})",
-    )
-    http.add_argument(
-        "--timeout-graceful-shutdown",
-        dest="timeout_graceful_shutdown_s",
-        type=int,
-        metavar="SECONDS",
-        help="time in-flight requests get on shutdown "
-        f"(default: {_default('timeout_graceful_shutdown_s')})",
-    )
-    http.add_argument(
-        "--access-log", action="store_true", help="log one line per request (default: off)"
-    )
-    http.add_argument(
-        "--log-level",
-        choices=list(LogLevel.__args__),
-        help=f"log level (default: {_default('log_level')})",
-    )
-
-    cors = parser.add_argument_group("CORS (off unless --allowed-origins is given)")
-    cors.add_argument(
-        "--allowed-origins",
-        dest="cors_allow_origins",
-        action="append",
-        metavar="ORIGIN",
-        help="origin allowed by CORS; repeat or comma-separate; `*` for any",
-    )
-    cors.add_argument(
-        "--allowed-methods",
-        dest="cors_allow_methods",
-        action="append",
-        metavar="METHOD",
-        help=f"CORS methods (default: {','.join(_default('cors_allow_methods'))})",
-    )
-    cors.add_argument(
-        "--allowed-headers",
-        dest="cors_allow_headers",
-        action="append",
-        metavar="HEADER",
-        help=f"CORS request headers (default: {','.join(_default('cors_allow_headers'))})",
-    )
-    cors.add_argument(
-        "--allow-credentials",
-        dest="cors_allow_credentials",
-        action="store_true",
-        help="let CORS responses allow credentials",
-    )
+    add_fields(parser, RenderSettings)
     return parser
 
 
-def _comma_split(values: list[str]) -> list[str]:
-    return [item.strip() for value in values for item in value.split(",") if item.strip()]
-
-
 def parse_settings(argv: Sequence[str] | None = None) -> RenderSettings:
-    """Parse flags into RenderSettings; a bad value exits 2 with argparse's message."""
+    """Parse flags into RenderSettings; a bad value exits 2 with argparse's message.
+
+    Only flags actually given reach RenderSettings, which reads the rest from `DUET_*`
+    variables or its defaults: flags win over the environment, which wins over defaults."""
     parser = build_parser()
-    given = vars(parser.parse_args(argv))
-    for key in (
-        "cors_allow_origins",
-        "cors_allow_methods",
-        "cors_allow_headers",
-        "workers",
-        "worker_dns",
-    ):
-        if key in given:
-            given[key] = _comma_split(given[key])
+    given = given_fields(parser.parse_args(argv), RenderSettings)
     try:
         return RenderSettings(**given)
     except ValidationError as exc:

@@ -96,7 +96,7 @@ class GGUFMetadata:
         """An integer-array field; empty when absent."""
         return self._typed_list(key, int)
 
-    def _typed(self, key: str, kind: type | tuple[type, ...], default: object) -> object:
+    def _typed(self, key: str, kind: type | tuple[type, ...], default: object) -> Any:
         if key not in self.fields:
             return default
         value = self.fields[key]

@@ -1,14 +1,22 @@
-"""Engine configuration: frozen dataclasses built once at the entry point and passed down.
+"""The engine's configuration: frozen dataclasses built once at the entry point, passed down.
 
-Each concern has its own small config so an `EngineConfig` can hold them side by side
-with the model and device fields. Fields are keyword-only: a required field may follow
-defaulted ones, and call sites read like the CLI flags they come from.
+`EngineConfig` is what `gpu-worker`'s command line and `Engine(...)` take: every field is a
+flag (`gpu_worker/cli.py` generates them from this class with `shared.cli_fields`: name,
+type, default, and the docstring under the field as its help). At startup the engine
+resolves the sizes that depend on the model and the device and hands each component its
+own small config: `CacheConfig` to the KV cache manager, `SchedulerConfig` to the
+scheduler. A default shared by two of them is written once, on the component's config.
+
+Fields are keyword-only: a required field may follow defaulted ones, and call sites read
+like the flags they come from.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Annotated
 
+from shared.cli_fields import Flag
 from shared.model_source import DEFAULT_MODEL
 
 
@@ -28,11 +36,6 @@ class CacheConfig:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.num_blocks < 1:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
-
-    @property
-    def num_cache_tokens(self) -> int:
-        """Tokens the whole cache can hold; no sequence may grow past this."""
-        return self.num_blocks * self.block_size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,42 +66,49 @@ class EngineConfig:
     """Arguments of `Engine(...)` and flags of `gpu-worker`; sizes resolved at startup."""
 
     model: str = DEFAULT_MODEL
-    """Built-in name, `.gguf` file or HF directory."""
+    """Built-in model name, .gguf file or HF model directory."""
     served_model_name: str | None = None
-    """Model id reported to clients; defaults to the model's name."""
+    """Model id reported to clients (default: the model's own name)."""
     device: str = "auto"
     """auto, cuda, cuda:N or cpu."""
     dtype: str = "auto"
     """auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16 or float16."""
-    block_size: int = 16
+    # Defaults the components' configs own are read from them (dataclass class attributes).
+    block_size: int = CacheConfig.block_size
     """Tokens per KV cache block."""
-    max_num_seqs: int = 256
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
     """Most sequences in one batch."""
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     """Token budget of one step (decodes plus prefill chunks)."""
+    long_prefill_token_threshold: int | None = SchedulerConfig.long_prefill_token_threshold
+    """Most prompt tokens one request may prefill in one step, so a long prompt cannot take
+    the whole step budget from other prefills (default: only the step budget caps it)."""
     max_model_len: int | None = None
-    """Longest prompt plus output; defaults to the model's context length."""
+    """Longest prompt plus output (default: the model's context length)."""
     kv_cache_memory_gb: float | None = None
-    """KV cache size; on CPU defaults to 1 GiB, on CUDA sized from free memory."""
+    """KV cache size in GiB (default: 1 on CPU; on CUDA sized from free memory)."""
     gpu_memory_utilization: float = 0.9
-    """Share of GPU memory the worker may use in all (weights, cache, activations)."""
+    """Share of GPU memory the worker may use in all: weights, KV cache and activations."""
     attention_backend: str = "auto"
     """auto (triton on CUDA, torch on CPU), torch or triton."""
     enforce_eager: bool = False
-    """Run every step eagerly: no CUDA graphs for decode steps (graphs are CUDA-only)."""
+    """No CUDA graphs: run every decode step eagerly (graphs are used on CUDA only)."""
     cuda_graph_max_batch_size: int | None = None
-    """Largest decode batch captured in a graph; default min(max_num_seqs, 512)."""
+    """Largest decode batch captured in a CUDA graph (default: min(max-num-seqs, 512))."""
     cpu_gguf_kernels: bool = True
-    """fp32 on CPU from a GGUF file: decode-sized batches (up to
-    `gguf_linear.MAX_QUANTIZED_ROWS` rows) multiply on the file's 4-8 bit blocks (same
-    weight values, ~5x fewer bytes per step) instead of dense fp32 weights."""
-    enable_prefix_caching: bool = True
+    """On CPU in fp32 from a GGUF file, multiply decode-sized batches (up to
+    `gguf_linear.MAX_QUANTIZED_ROWS` rows) on the file's 4-8 bit blocks rather than on
+    dense fp32 weights: the same weight values in ~5x fewer bytes per step."""
+    enable_prefix_caching: Annotated[bool, Flag(name="--no-prefix-caching")] = (
+        CacheConfig.enable_prefix_caching
+    )
     """Share full KV blocks between requests with the same prefix."""
     max_waiting: int = 4096
-    """Requests queued beyond this are rejected with `queue_full`."""
+    """Queued requests beyond this are rejected with `queue_full`."""
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
+        """The config of `Engine(**kwargs)`; an unknown keyword is a TypeError naming it."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:

@@ -178,7 +178,12 @@ class _PieceCache:
         # leftmost-longest Aho-Corasick matcher of `tokenizers` picks.
         alternatives = "|".join(map(re.escape, sorted(cut_at, key=len, reverse=True)))
         self._splitter = re.compile(f"({alternatives or '(?!)'})")
-        self._added_ids = {content: hf.token_to_id(content) for content in cut_at}
+        # Every piece cut at is an added token, so every one has an id.
+        self._added_ids = {
+            content: token_id
+            for content in cut_at
+            if (token_id := hf.token_to_id(content)) is not None
+        }
         self._max_bytes = max_bytes
         # Oldest first; OrderedDict evicts from the front in O(1), where a dict would scan
         # past the slots of every entry deleted there since it last resized.
@@ -292,6 +297,12 @@ def _add_named_special_tokens(hf: HFTokenizer, tokens: Sequence[str | None]) -> 
         hf.add_tokens([AddedToken(token, special=True, normalized=False) for token in missing])
 
 
+def _merge_pair(merge: str) -> tuple[str, str]:
+    """A GGUF merge, "left right", as the pair tokenizers' BPE takes."""
+    left, _, right = merge.partition(" ")
+    return left, right
+
+
 def _gguf_metadata(path: Path) -> GGUFMetadata:
     try:
         return read_gguf_metadata(path)
@@ -318,7 +329,7 @@ def _from_gguf(path: Path, piece_cache_bytes: int) -> Tokenizer:
         token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode()): index
         for index, token in enumerate(tokens)
     }
-    merges = [tuple(merge.split(" ")) for merge in meta.strings("tokenizer.ggml.merges")]
+    merges = [_merge_pair(merge) for merge in meta.strings("tokenizer.ggml.merges")]
     hf = HFTokenizer(
         models.BPE(
             vocab=vocab,

@@ -45,3 +45,20 @@ def test_every_engine_flag_is_carried() -> None:
     assert config.enable_prefix_caching is False
     assert config.max_waiting == 10
     assert config.cpu_gguf_kernels is False
+
+
+def test_long_prefill_token_threshold_is_a_flag() -> None:
+    assert config_from_args(build_parser().parse_args([])).long_prefill_token_threshold is None
+    args = build_parser().parse_args(["--long-prefill-token-threshold", "512"])
+    assert config_from_args(args).long_prefill_token_threshold == 512
+
+
+def test_server_flags_keep_their_defaults() -> None:
+    from gpu_worker.cli import DEFAULT_BIND, ServerConfig, server_config_from_args
+
+    assert server_config_from_args(build_parser().parse_args([])) == ServerConfig()
+    args = build_parser().parse_args(["--heartbeat-interval", "0.5", "--client-timeout", "3"])
+    config = server_config_from_args(args)
+    assert (config.bind, config.heartbeat_interval_s, config.client_timeout_s) == (
+        DEFAULT_BIND, 0.5, 3.0,
+    )  # fmt: skip

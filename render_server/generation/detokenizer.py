@@ -18,15 +18,15 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from render_server.templating.tokenizer import Tokenizer
 
-try:
-    from tokenizers.decoders import DecodeStream
-except ImportError:  # tokenizers < 0.21
-    DecodeStream = None
-
 # DecodeStream (tokenizers >= 0.22: `ids=` prefill and list steps) runs the same window scheme
 # in Rust: one Python call per step instead of two `decode` calls plus list slicing, which
 # measured ~1.9x faster on SmolLM2. Older tokenizers get the same scheme in Python.
-_HAS_DECODE_STREAM = DecodeStream is not None and "ids" in (DecodeStream.__text_signature__ or "")
+try:
+    from tokenizers.decoders import DecodeStream
+
+    _HAS_DECODE_STREAM = "ids" in (DecodeStream.__text_signature__ or "")
+except ImportError:  # tokenizers < 0.21
+    _HAS_DECODE_STREAM = False
 
 # Prompt ids kept as decoder context, as vLLM's initial prefix offset: enough for decoders
 # whose output depends on the previous token (a leading space), never emitted.

@@ -1,9 +1,15 @@
-"""One HTTP request's choices, running on the workers and detokenized as they stream.
+"""One HTTP request's generation, the lifecycle every generating endpoint uses.
 
-`Generation` submits one `Generate` per choice (choice i of a seeded request gets seed + i),
-turns each worker delta into text with an IncrementalDetokenizer, cuts stop strings (and
-aborts the worker request when one matches), and yields `ChoiceDelta`s in arrival order.
-The endpoints format those as SSE chunks or fold them into one JSON body.
+A `Generation` holds every choice of a request: `n` per prompt, for one prompt (chat) or
+several (completions). `start()` submits one `Generate` per choice (choice i of a seeded
+request gets seed + i); `deltas()` turns each worker delta into text with an
+IncrementalDetokenizer, cuts stop strings (aborting the worker request when one matches)
+and yields `ChoiceDelta`s of every choice in arrival order; `aclose()` aborts whatever
+still runs and records the request's metrics, once. Endpoints only format what it yields.
+
+Each piece of a choice's output has one owner: its `RequestStream` keeps the token ids
+(a failover resends them), its detokenizer the text, the `Choice` the logprobs and how it
+finished.
 """
 
 from __future__ import annotations
@@ -12,11 +18,12 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from render_server.generation.detokenizer import IncrementalDetokenizer
 from render_server.templating.tokenizer import Tokenizer
 from render_server.worker_client.pool import RequestStream, WorkerPool
-from shared.protocol import Constraint, Generate, RequestDelta, TokenLogprobs
+from shared.protocol import Constraint, FinishReason, Generate, RequestDelta, TokenLogprobs
 from shared.sampling import SamplingParams
 
 
@@ -30,26 +37,24 @@ class ChoiceSpec:
     skip_special_tokens: bool
 
 
+@dataclass(frozen=True)
+class PromptSpec:
+    """One prompt and how to generate each of its choices."""
+
+    prompt_token_ids: list[int]
+    choices: list[ChoiceSpec]
+
+
 @dataclass(slots=True)
 class ChoiceDelta:
-    """What one choice produced since its last delta."""
+    """What one choice produced since its last delta; `index` is the choice's position in
+    the request (prompt index * n + choice index)."""
 
     index: int
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclass
-class ChoiceTotals:
-    """A choice's whole output, accumulated for non-streamed responses and usage."""
-
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
 
@@ -63,95 +68,224 @@ class GenerationTimings:
     inter_token: list[float] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class UsageCounts:
+    """Token counts of a whole request: prompts once each, every choice's output."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class GenerationRecorder(Protocol):
+    """Observes a request once it ended (render_server.generation.metrics provides it)."""
+
+    def record(self, generation: Generation) -> None: ...
+
+
+class PromptGeneration:
+    """The choices that share one prompt: the unit TTFT, queue time and cache hits are
+    measured on."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], arrival: float) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.timings = GenerationTimings(arrival=arrival)
+        self.num_cached_tokens = 0
+        self.queue_time: float | None = None
+        """Seconds the first choice waited in its worker's queue, as the worker reports it."""
+        self.choices: list[Choice] = []
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(len(choice.token_ids) for choice in self.choices)
+
+    def observe(self, delta: RequestDelta) -> None:
+        """Note a delta's arrival time, cache hits and queue time."""
+        now = time.perf_counter()
+        timings = self.timings
+        if timings.first_token is None:
+            timings.first_token = now
+        elif timings.last_token is not None:
+            timings.inter_token.append(now - timings.last_token)
+        timings.last_token = now
+        if delta.num_cached_tokens > self.num_cached_tokens:
+            self.num_cached_tokens = delta.num_cached_tokens
+        if self.queue_time is None:
+            self.queue_time = delta.queue_time
+
+
+class Choice:
+    """One sampled sequence: its worker stream, its detokenizer, and how it ended."""
+
+    def __init__(
+        self,
+        index: int,
+        spec: ChoiceSpec,
+        prompt: PromptGeneration,
+        tokenizer: Tokenizer,
+    ) -> None:
+        self.index = index
+        self.spec = spec
+        self.prompt = prompt
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer,
+            skip_special_tokens=spec.skip_special_tokens,
+            stop=spec.stop,
+            include_stop_str_in_output=spec.include_stop_str_in_output,
+            prompt_token_ids=prompt.prompt_token_ids,
+        )
+        self.stream: RequestStream | None = None
+        """Set once submitted."""
+        self.logprobs: list[TokenLogprobs] = []
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token id generated so far (the stream owns them)."""
+        return self.stream.output_token_ids if self.stream is not None else []
+
+    @property
+    def text(self) -> str:
+        """Everything detokenized and released so far (the detokenizer owns it)."""
+        return self.detokenizer.output_text
+
+    def on_delta(self, delta: RequestDelta) -> ChoiceDelta:
+        """A worker delta as text: stop strings cut, held-back text flushed at the end."""
+        self.prompt.observe(delta)
+        detokenizer = self.detokenizer
+        update = detokenizer.add(delta.new_token_ids)
+        text = update.text
+        finish_reason = delta.finish_reason
+        stop_reason: int | str | None = delta.stop_token_id
+        if update.finished_by_stop:
+            finish_reason, stop_reason = "stop", update.stop_str
+        elif finish_reason is not None:
+            text += detokenizer.flush()
+            if detokenizer.stop_str is not None:
+                finish_reason, stop_reason = "stop", detokenizer.stop_str
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
+        if finish_reason is not None:
+            self.finish_reason, self.stop_reason = finish_reason, stop_reason
+        return ChoiceDelta(
+            self.index, text, delta.new_token_ids, delta.logprobs, finish_reason, stop_reason
+        )
+
+
 class Generation:
-    """All choices of one request. Use as an async context manager: leaving it early
-    (client gone, error) aborts whatever is still running on the workers."""
+    """Every choice of one request, from submission to its metrics.
+
+    Use `async with generation:` or `await start()` ... `await aclose()`: closing early
+    (client gone, error) aborts whatever is still running on the workers. `start()` raises
+    `WorkerError` when a choice cannot be submitted (having aborted the others).
+    """
 
     def __init__(
         self,
         pool: WorkerPool,
         tokenizer: Tokenizer,
         request_id: str,
-        prompt_token_ids: list[int],
-        choices: list[ChoiceSpec],
+        prompts: list[PromptSpec],
         *,
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         constraint: Constraint | None = None,
+        recorder: GenerationRecorder | None = None,
     ) -> None:
         self.pool = pool
-        self.tokenizer = tokenizer
         self.request_id = request_id
-        self.prompt_token_ids = prompt_token_ids
-        self.choices = choices
         self.priority = priority
         self.cache_salt = cache_salt
         self.constraint = constraint
         """Structured output every choice is held to (validated by
         render_server.generation.structured)."""
-        self.timings = GenerationTimings(arrival=arrival_time or time.perf_counter())
-        self.totals = [ChoiceTotals() for _ in choices]
-        self.num_cached_tokens = 0
-        self.queue_time: float | None = None
-        """Seconds the first choice waited in its worker's queue, as the worker reports it."""
-        self._streams: list[RequestStream] = []
+        arrival = arrival_time or time.perf_counter()
+        self.prompts: list[PromptGeneration] = []
+        self.choices: list[Choice] = []
+        """Every choice, prompt by prompt: `choices[i].index == i`."""
+        for number, prompt_spec in enumerate(prompts):
+            prompt_id = request_id if len(prompts) == 1 else f"{request_id}-{number}"
+            prompt = PromptGeneration(prompt_id, prompt_spec.prompt_token_ids, arrival)
+            self.prompts.append(prompt)
+            for spec in prompt_spec.choices:
+                choice = Choice(len(self.choices), spec, prompt, tokenizer)
+                prompt.choices.append(choice)
+                self.choices.append(choice)
+        self._recorder = recorder
+        self._closed = False
+
+    async def start(self) -> None:
+        """Submit every choice to the workers."""
+        try:
+            for prompt in self.prompts:
+                for number, choice in enumerate(prompt.choices):
+                    choice.stream = await self.pool.submit(
+                        Generate(
+                            request_id=f"{prompt.request_id}-{number}",
+                            prompt_token_ids=prompt.prompt_token_ids,
+                            sampling=choice.spec.sampling,
+                            priority=self.priority,
+                            cache_salt=self.cache_salt,
+                            arrival_time=time.time(),
+                            constraint=self.constraint,
+                        )
+                    )
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        """Abort every choice still running; record the request's metrics (once)."""
+        for choice in self.choices:
+            if choice.stream is not None:
+                await choice.stream.abort()
+        if not self._closed:
+            self._closed = True
+            if self._recorder is not None:
+                self._recorder.record(self)
 
     async def __aenter__(self) -> Generation:
-        try:
-            for index, spec in enumerate(self.choices):
-                stream = await self.pool.submit(
-                    Generate(
-                        request_id=f"{self.request_id}-{index}",
-                        prompt_token_ids=self.prompt_token_ids,
-                        sampling=spec.sampling,
-                        priority=self.priority,
-                        cache_salt=self.cache_salt,
-                        arrival_time=time.time(),
-                        constraint=self.constraint,
-                    )
-                )
-                self._streams.append(stream)
-        except BaseException:
-            await self.abort()
-            raise
+        await self.start()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        await self.abort()
-
-    async def abort(self) -> None:
-        """Abort every choice still running (idempotent)."""
-        for stream in self._streams:
-            await stream.abort()
+        await self.aclose()
 
     @property
     def worker_addresses(self) -> list[str]:
         """Where each submitted choice went."""
-        return [stream.worker_address for stream in self._streams]
+        return [c.stream.worker_address for c in self.choices if c.stream is not None]
 
-    @property
-    def num_completion_tokens(self) -> int:
-        return sum(len(total.token_ids) for total in self.totals)
+    def usage(self) -> UsageCounts:
+        prompt_tokens = completion_tokens = cached_tokens = 0
+        for prompt in self.prompts:
+            prompt_tokens += len(prompt.prompt_token_ids)
+            completion_tokens += prompt.num_completion_tokens
+            cached_tokens += prompt.num_cached_tokens
+        return UsageCounts(prompt_tokens, completion_tokens, cached_tokens)
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """Every choice's deltas, interleaved as they arrive; ends when all finished."""
-        if len(self._streams) == 1:
-            async for delta in self._run_choice(0):
+        if len(self.choices) == 1:
+            # The common case needs no task and no queue between worker and client.
+            async for delta in _run_choice(self.choices[0]):
                 yield delta
             return
         queue: asyncio.Queue[ChoiceDelta | BaseException | None] = asyncio.Queue()
 
-        async def pump(index: int) -> None:
+        async def pump(choice: Choice) -> None:
             try:
-                async for delta in self._run_choice(index):
+                async for delta in _run_choice(choice):
                     queue.put_nowait(delta)
             except BaseException as exc:  # re-raised in the consumer
                 queue.put_nowait(exc)
             finally:
                 queue.put_nowait(None)
 
-        tasks = [asyncio.create_task(pump(i)) for i in range(len(self._streams))]
+        tasks = [asyncio.create_task(pump(choice)) for choice in self.choices]
         try:
             running = len(tasks)
             while running:
@@ -167,60 +301,15 @@ class Generation:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _run_choice(self, index: int) -> AsyncIterator[ChoiceDelta]:
-        spec = self.choices[index]
-        stream = self._streams[index]
-        totals = self.totals[index]
-        detokenizer = IncrementalDetokenizer(
-            self.tokenizer,
-            skip_special_tokens=spec.skip_special_tokens,
-            stop=spec.stop,
-            include_stop_str_in_output=spec.include_stop_str_in_output,
-            prompt_token_ids=self.prompt_token_ids,
-        )
-        async for delta in stream:
-            out = self._on_delta(index, delta, detokenizer, totals)
-            if out.finish_reason is not None and delta.finish_reason is None:
-                await stream.abort()  # a stop string ended it before the worker did
-            yield out
-            if out.finish_reason is not None:
-                return
 
-    def _on_delta(
-        self,
-        index: int,
-        delta: RequestDelta,
-        detokenizer: IncrementalDetokenizer,
-        totals: ChoiceTotals,
-    ) -> ChoiceDelta:
-        now = time.perf_counter()
-        timings = self.timings
-        if timings.first_token is None:
-            timings.first_token = now
-        elif timings.last_token is not None:
-            timings.inter_token.append(now - timings.last_token)
-        timings.last_token = now
-        if delta.num_cached_tokens:
-            self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
-        if delta.queue_time is not None and self.queue_time is None:
-            self.queue_time = delta.queue_time
-
-        update = detokenizer.add(delta.new_token_ids)
-        text = update.text
-        finish_reason = delta.finish_reason
-        stop_reason: int | str | None = delta.stop_token_id
-        if update.finished_by_stop:
-            finish_reason, stop_reason = "stop", update.stop_str
-        elif finish_reason is not None:
-            text += detokenizer.flush()
-            if detokenizer.stop_str is not None:
-                finish_reason, stop_reason = "stop", detokenizer.stop_str
-        totals.text.append(text)
-        totals.token_ids.extend(delta.new_token_ids)
-        if delta.logprobs:
-            totals.logprobs.extend(delta.logprobs)
-        if finish_reason is not None:
-            totals.finish_reason, totals.stop_reason = finish_reason, stop_reason
-        return ChoiceDelta(
-            index, text, delta.new_token_ids, delta.logprobs, finish_reason, stop_reason
-        )
+async def _run_choice(choice: Choice) -> AsyncIterator[ChoiceDelta]:
+    stream = choice.stream
+    if stream is None:
+        raise RuntimeError("the generation was not started")
+    async for delta in stream:
+        out = choice.on_delta(delta)
+        if out.finish_reason is not None and delta.finish_reason is None:
+            await stream.abort()  # a stop string ended it before the worker did
+        yield out
+        if out.finish_reason is not None:
+            return

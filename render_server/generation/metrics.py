@@ -5,7 +5,7 @@ one heartbeat)."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -106,36 +106,19 @@ class GenerationMetrics:
             metrics.register_live(_WorkerCollector(worker_statuses))
 
     def record(self, generation: Generation) -> None:
-        """Observe one request once it ended, whichever way it ended."""
-        timings = generation.timings
-        if timings.first_token is not None:
-            self.ttft.observe(timings.first_token - timings.arrival)
-            self.e2e.observe((timings.last_token or time.perf_counter()) - timings.arrival)
-        for gap in timings.inter_token:
-            self.itl.observe(gap)
-        if generation.queue_time is not None:
-            self.queue_time.observe(generation.queue_time)
-        self.prompt_tokens.inc(len(generation.prompt_token_ids))
-        self.generation_tokens.inc(generation.num_completion_tokens)
-        for totals in generation.totals:
-            self.requests.labels(totals.finish_reason or "abort").inc()
+        """Observe one request once it ended, whichever way it ended (its recorder)."""
+        for prompt in generation.prompts:
+            timings = prompt.timings
+            if timings.first_token is not None:
+                self.ttft.observe(timings.first_token - timings.arrival)
+                self.e2e.observe((timings.last_token or time.perf_counter()) - timings.arrival)
+            for gap in timings.inter_token:
+                self.itl.observe(gap)
+            if prompt.queue_time is not None:
+                self.queue_time.observe(prompt.queue_time)
+            self.prompt_tokens.inc(len(prompt.prompt_token_ids))
+            self.generation_tokens.inc(prompt.num_completion_tokens)
+        for choice in generation.choices:
+            self.requests.labels(choice.finish_reason or "abort").inc()
         for address in generation.worker_addresses:
             self.routed.labels(address).inc()
-
-    async def recorded(
-        self, generation: Generation, chunks: AsyncIterator[bytes]
-    ) -> AsyncIterator[bytes]:
-        """Pass a stream through, recording the request when it ends (or is cut off)."""
-        try:
-            async for chunk in chunks:
-                yield chunk
-        finally:
-            self.record(generation)
-
-    async def recorded_deltas(self, generation: Generation) -> AsyncIterator[object]:
-        """A generation's deltas, recording the request when they end (or are cut off)."""
-        try:
-            async for delta in generation.deltas():
-                yield delta
-        finally:
-            self.record(generation)

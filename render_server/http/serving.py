@@ -1,11 +1,11 @@
-"""What chat and completions share: worker errors as HTTP errors, SSE framing, running a
+"""What the generation endpoints share: worker errors as HTTP errors, SSE framing, running a
 non-streamed request until the client disconnects, and usage."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
 from typing import TypeVar
 
 import msgspec
@@ -82,13 +82,13 @@ def sse_error(error: ApiError | WorkerError) -> bytes:
 
 
 def usage_of(generation: Generation) -> Usage:
-    prompt = len(generation.prompt_token_ids)
-    completion = generation.num_completion_tokens
+    """OpenAI's usage of a whole request (every prompt, every choice)."""
+    counts = generation.usage()
     return Usage(
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        total_tokens=prompt + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=generation.num_cached_tokens),
+        prompt_tokens=counts.prompt_tokens,
+        completion_tokens=counts.completion_tokens,
+        total_tokens=counts.prompt_tokens + counts.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=counts.cached_tokens),
     )
 
 
@@ -116,13 +116,3 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     raise ClientDisconnected
-
-
-async def stream_with_errors(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """SSE body: the chunks, an error event if generation fails midway, then [DONE]."""
-    try:
-        async for chunk in chunks:
-            yield chunk
-    except (WorkerError, ApiError) as exc:
-        yield sse_error(exc)
-    yield SSE_DONE

@@ -35,6 +35,14 @@ class ChoicePiece:
     def is_empty(self) -> bool:
         return not self.reasoning and not self.content and not self.tool_calls
 
+    def then(self, later: ChoicePiece) -> ChoicePiece:
+        """This piece followed by `later`, as one."""
+        return ChoicePiece(
+            _join(self.reasoning, later.reasoning),
+            _join(self.content, later.content),
+            self.tool_calls + later.tool_calls,
+        )
+
 
 @dataclass
 class ChoiceResult:
@@ -78,6 +86,7 @@ class ChoiceProcessor:
         """Some tool call was emitted: the choice's finish_reason becomes "tool_calls"."""
 
     def feed(self, text: str) -> ChoicePiece:
+        """What `text`, the choice's next detokenized text, adds."""
         if not text:
             return ChoicePiece()
         if self._reasoning is None:
@@ -87,14 +96,19 @@ class ChoiceProcessor:
         piece.reasoning = reasoning or None
         return piece
 
+    def feed_last(self, text: str) -> ChoicePiece:
+        """What the choice's last text adds, with everything held back until its end."""
+        return self.feed(text).then(self.finish())
+
     def finish(self) -> ChoicePiece:
+        """The end of the choice: release what the parsers held back."""
         piece = ChoicePiece()
         if self._reasoning is not None:
             reasoning, content = self._reasoning.finish()
             piece.reasoning = reasoning or None
             if content:
-                piece = self._merge(piece, self._answer(content))
-        return self._merge(piece, self._finish_answer())
+                piece = piece.then(self._answer(content))
+        return piece.then(self._finish_answer())
 
     def _answer(self, text: str) -> ChoicePiece:
         mode = self.plan.mode
@@ -149,17 +163,9 @@ class ChoiceProcessor:
             )
         return out
 
-    @staticmethod
-    def _merge(a: ChoicePiece, b: ChoicePiece) -> ChoicePiece:
-        return ChoicePiece(
-            _join(a.reasoning, b.reasoning),
-            _join(a.content, b.content),
-            a.tool_calls + b.tool_calls,
-        )
-
     def whole(self, text: str) -> ChoiceResult:
         """The non-streamed result: the streamed pieces of `text`, accumulated."""
-        total = self._merge(self.feed(text), self.finish())
+        total = self.feed_last(text)
         calls: dict[int, ToolCallOut] = {}
         for delta in total.tool_calls:
             function = delta.function or FunctionDeltaOut()

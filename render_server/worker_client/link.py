@@ -11,6 +11,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable
+from typing import cast
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -18,7 +19,7 @@ from zmq.utils.monitor import recv_monitor_message
 from render_server.worker_client.request_stream import RequestStream
 from render_server.worker_client.routing import WorkerLoad
 from shared.model_card import ModelCard
-from shared.protocol import MAX_BATCH, Abort, WorkerStats
+from shared.protocol import MAX_BATCH, Abort, RenderToWorker, WorkerStats
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ class WorkerLink:
         socket: zmq.Socket,
         loop: asyncio.AbstractEventLoop,
         *,
-        encode: Callable[[object], bytes],
+        encode: Callable[[RenderToWorker], bytes],
         on_frames: Callable[[WorkerLink, list[bytes]], None],
         on_disconnect: Callable[[WorkerLink], None],
     ) -> None:
@@ -65,12 +66,12 @@ class WorkerLink:
         self._backlog: deque[bytes] = deque()
         self._aborts: list[str] = []
         self._drain_scheduled = False
-        self._fd = socket.getsockopt(zmq.FD)
+        self._fd = socket.fileno()
         loop.add_reader(self._fd, self._drain)
         # A dropped connection (the worker process died) is known at once from the socket's
         # monitor; heartbeats still catch a worker that hangs with its socket open.
         self._monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._monitor_fd = self._monitor.getsockopt(zmq.FD)
+        self._monitor_fd = self._monitor.fileno()
         loop.add_reader(self._monitor_fd, self._on_monitor)
 
     @property
@@ -84,7 +85,7 @@ class WorkerLink:
             return WorkerLoad(self.address, len(self.streams))
         return WorkerLoad(self.address, len(self.streams), stats.num_running, stats.num_waiting)
 
-    def send(self, message: object) -> None:
+    def send(self, message: RenderToWorker) -> None:
         self.send_frame(self._encode(message))
 
     def send_frame(self, frame: bytes) -> None:
@@ -150,7 +151,7 @@ class WorkerLink:
         if (
             not self._drain_scheduled
             and not self.closed
-            and self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN
+            and cast(int, self.socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN
         ):
             self._drain_scheduled = True
             self._loop.call_soon(self._drain)

@@ -180,9 +180,9 @@ class WorkerPool:
                     len(link.streams),
                 )
         for address in added:
-            link = next((link for link in self._links if link.address == address), None)
-            if link is not None:
-                link.draining = False
+            listed = next((link for link in self._links if link.address == address), None)
+            if listed is not None:
+                listed.draining = False
                 logger.info("worker %s is listed again: back in service", address)
             else:
                 logger.info("worker %s added", address)
@@ -274,8 +274,7 @@ class WorkerPool:
             logger.warning("dropped a bad frame from worker %s: %s", link.address, exc)
             return
         link.last_seen = time.monotonic()
-        kind = type(message)
-        if kind is Deltas:
+        if isinstance(message, Deltas):
             streams = link.streams
             for delta in message.deltas:
                 stream = streams.get(delta.request_id)
@@ -285,29 +284,32 @@ class WorkerPool:
                 if delta.finish_reason is not None:
                     del streams[delta.request_id]
                 stream.push(delta)
-        elif kind is Heartbeat:
+        elif isinstance(message, Heartbeat):
             link.stats = message.stats
             link.last_heartbeat = time.time()
-        elif kind is Rejected:
-            stream = link.streams.pop(message.request_id, None)
-            if stream is not None and message.code == "queue_full":
-                stream.num_queue_full += 1
-            if stream is not None and not (
-                # A full queue is this worker's state, not the request's fault: try another.
-                message.code == "queue_full"
-                and not stream.output_token_ids
-                and stream.num_queue_full < len(self._links)
-                and self._move(stream, exclude=link)
-            ):
-                error = f"worker {link.address} rejected the request: {message.message}"
-                stream.fail(WorkerError("rejected", error, reject_code=message.code))
-            if message.code == "protocol":
-                self._say_hello(link)  # it restarted and forgot us: introduce again
-        elif kind is Welcome:
+        elif isinstance(message, Rejected):
+            self._on_rejected(link, message)
+        elif isinstance(message, Welcome):
             self._on_welcome(link, message)
         if link.welcomed and not link.alive:
             link.alive = True
             logger.warning("worker %s is back", link.address)
+
+    def _on_rejected(self, link: WorkerLink, rejected: Rejected) -> None:
+        stream = link.streams.pop(rejected.request_id, None)
+        if stream is not None and rejected.code == "queue_full":
+            stream.num_queue_full += 1
+        if stream is not None and not (
+            # A full queue is this worker's state, not the request's fault: try another.
+            rejected.code == "queue_full"
+            and not stream.output_token_ids
+            and stream.num_queue_full < len(self._links)
+            and self._move(stream, exclude=link)
+        ):
+            error = f"worker {link.address} rejected the request: {rejected.message}"
+            stream.fail(WorkerError("rejected", error, reject_code=rejected.code))
+        if rejected.code == "protocol":
+            self._say_hello(link)  # it restarted and forgot us: introduce again
 
     def _on_welcome(self, link: WorkerLink, welcome: Welcome) -> None:
         card = welcome.model_card

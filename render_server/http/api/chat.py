@@ -3,24 +3,18 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 
 import msgspec
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import Response
 
-from render_server.generation.lifecycle import ChoiceDelta, Generation
-from render_server.generation.sampling_params import (
-    build_choices,
-    check_prompt_length,
-    reject_unsupported,
-    resolve_max_tokens,
-)
+from render_server.generation.lifecycle import Choice, ChoiceDelta, Generation
 from render_server.generation.structured import check_constraint, resolve_constraint
 from render_server.http.api.deps import RenderState, StateDep
+from render_server.http.endpoint import admit, new_generation, respond
 from render_server.http.errors import ApiError
-from render_server.http.schemas.generation import MAX_CHAT_LOGPROBS, ChatCompletionRequest
+from render_server.http.formatter import OpenAIFormatter
+from render_server.http.schemas.generation import ChatCompletionRequest
 from render_server.http.schemas.responses import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -31,24 +25,16 @@ from render_server.http.schemas.responses import (
     ChatMessageOut,
     ChatTokenLogprob,
     TopLogprob,
+    Usage,
 )
-from render_server.http.serving import (
-    GENERATION_ERRORS,
-    json_response,
-    new_request_id,
-    sse_event,
-    stream_with_errors,
-    until_disconnect,
-    usage_of,
-    worker_error_to_api,
-)
-from render_server.parsing.chat_output import ChoicePiece, ChoiceProcessor
+from render_server.http.schemas.responses import FinishReason as ApiFinishReason
+from render_server.http.serving import GENERATION_ERRORS, new_request_id
+from render_server.parsing.chat_output import ChoiceProcessor
 from render_server.parsing.reasoning import get_reasoning_parser
-from render_server.parsing.tool_choice import plan_tools
+from render_server.parsing.tool_choice import ToolPlan, plan_tools
 from render_server.templating.chat_template import ChatTemplateError, RequestTemplateNotAllowed
 from render_server.templating.token_text import TokenText
-from render_server.worker_client.pool import WorkerError
-from shared.protocol import TokenLogprobs
+from shared.protocol import Constraint, FinishReason, TokenLogprobs
 
 router = APIRouter(tags=["generation"])
 
@@ -92,35 +78,15 @@ async def _render(
     return rendered.token_ids
 
 
-@router.post("/v1/chat/completions", responses=GENERATION_ERRORS)
-async def chat_completions(
-    body: ChatCompletionRequest, request: Request, state: StateDep
-) -> Response:
-    """OpenAI's chat completions, streamed (SSE) or not."""
-    reject_unsupported(body)
-    state.check_model(body.model)
-    pool = state.require_workers()
-    if body.continue_final_message and body.add_generation_prompt:
-        raise ApiError(
-            400,
-            "continue_final_message and add_generation_prompt cannot both be true.",
-            param="continue_final_message",
-        )
-    if body.top_logprobs is not None:
-        if not 0 <= body.top_logprobs <= MAX_CHAT_LOGPROBS:
-            raise ApiError(
-                400, f"top_logprobs must be in [0, {MAX_CHAT_LOGPROBS}].", param="top_logprobs"
-            )
-        if not body.logprobs:
-            raise ApiError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
-    settings = state.settings
-    plan = plan_tools(
-        [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None,
-        body.tool_choice,
-        body.parallel_tool_calls,
-        enable_auto_tool_choice=settings.enable_auto_tool_choice,
-        tool_call_parser=settings.tool_call_parser,
-    )
+async def _constraint(
+    request: Request,
+    state: RenderState,
+    body: ChatCompletionRequest,
+    plan: ToolPlan,
+    thinking: bool,
+) -> Constraint | None:
+    """The request's structured-output constraint, or the tool choice's; held off until
+    reasoning ended when a reasoning parser splits it off."""
     constraint = await resolve_constraint(request, state, body)
     if plan.constraint is not None:
         if constraint is not None:
@@ -131,7 +97,7 @@ async def chat_completions(
                 param="tool_choice",
             )
         constraint = await check_constraint(request, state, plan.constraint, "tools")
-    thinking = (body.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+    settings = state.settings
     if (
         constraint is not None
         and settings.reasoning_parser is not None
@@ -141,93 +107,124 @@ async def chat_completions(
         # Reasoning is free text: the constraint holds only for the answer after it.
         end_tag = get_reasoning_parser(settings.reasoning_parser).end_tag
         constraint = msgspec.structs.replace(constraint, start_after=end_tag)
-    prompt_ids = await _render(state, body, plan.tools)
-    max_model_len = state.max_model_len
-    check_prompt_length(len(prompt_ids), max_model_len, "messages")
-    if body.max_completion_tokens is not None:
-        requested, param = body.max_completion_tokens, "max_completion_tokens"
-    else:
-        requested, param = body.max_tokens, "max_tokens"
-    max_tokens = resolve_max_tokens(requested, param, len(prompt_ids), max_model_len)
-    top = body.top_logprobs or 0
-    choices = build_choices(
-        body,
-        max_tokens=max_tokens,
-        logprobs=top if body.logprobs else None,
-        vocab_size=state.tokenizer.vocab_size,
-        max_n=state.settings.max_n,
+    return constraint
+
+
+@router.post("/v1/chat/completions", responses=GENERATION_ERRORS)
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, state: StateDep
+) -> Response:
+    """OpenAI's chat completions, streamed (SSE) or not."""
+    pool = admit(state, body)
+    settings = state.settings
+    plan = plan_tools(
+        [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None,
+        body.tool_choice,
+        body.parallel_tool_calls,
+        enable_auto_tool_choice=settings.enable_auto_tool_choice,
+        tool_call_parser=settings.tool_call_parser,
     )
-    generation = Generation(
+    thinking = (body.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+    constraint = await _constraint(request, state, body, plan, thinking)
+    prompt_ids = await _render(state, body, plan.tools)
+    generation = new_generation(
+        state,
         pool,
-        state.tokenizer,
+        body,
         new_request_id("chatcmpl"),
-        prompt_ids,
-        choices,
-        priority=body.priority,
+        [prompt_ids],
+        prompt_param="messages",
         constraint=constraint,
     )
-    try:
-        await generation.__aenter__()
-    except WorkerError as exc:
-        state.generation_metrics.record(generation)
-        raise worker_error_to_api(exc) from exc
-    created = int(time.time())
     processors = [
-        ChoiceProcessor(plan, settings.reasoning_parser, enable_thinking=thinking) for _ in choices
+        ChoiceProcessor(plan, settings.reasoning_parser, enable_thinking=thinking)
+        for _ in generation.choices
     ]
-    output = _Output(processors, body.include_reasoning)
-    if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        chunks = _stream(state, generation, created, top, include_usage, output)
-        return StreamingResponse(
-            stream_with_errors(state.generation_metrics.recorded(generation, chunks)),
-            media_type="text/event-stream",
-            background=BackgroundTask(generation.abort),
-        )
-    try:
-        result = await until_disconnect(request, _collect(state, generation, created, top, output))
-    except WorkerError as exc:
-        raise worker_error_to_api(exc) from exc
-    finally:
-        await generation.abort()
-        state.generation_metrics.record(generation)
-    return json_response(result)
+    formatter = ChatFormatter(state, body, processors)
+    return await respond(request, generation, formatter, stream=body.stream)
 
 
-class _Output:
-    """Per-choice processors and the request's reasoning preference."""
+class ChatFormatter(OpenAIFormatter[ChatChunkChoice, ChatChoice]):
+    """OpenAI chat completions: `chat.completion.chunk` events, or one `chat.completion`.
 
-    def __init__(self, processors: list[ChoiceProcessor], include_reasoning: bool) -> None:
+    Each choice's text goes through its ChoiceProcessor (reasoning, content, tool calls).
+    """
+
+    def __init__(
+        self,
+        state: RenderState,
+        body: ChatCompletionRequest,
+        processors: list[ChoiceProcessor],
+    ) -> None:
+        super().__init__(state.model_id, body.stream_options)
+        self.token_text = state.token_text
         self.processors = processors
-        self.include_reasoning = include_reasoning
+        self.logprobs = body.num_logprobs()
+        """Top alternatives per token when the request asked for logprobs, else None."""
+        self.include_reasoning = body.include_reasoning
 
-    def finish_reason(self, index: int, reason: str | None) -> str | None:
+    def _finish_reason(self, index: int, reason: FinishReason | None) -> ApiFinishReason | None:
         if reason == "stop" and self.processors[index].called_tools:
             return "tool_calls"
         return reason
 
-    def delta(self, piece: ChoicePiece) -> ChatDelta:
+    def chunk(
+        self, generation: Generation, choices: list[ChatChunkChoice], usage: Usage | None = None
+    ) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            generation.request_id, self.created, self.model, choices, usage=usage
+        )
+
+    def whole(
+        self, generation: Generation, choices: list[ChatChoice], usage: Usage
+    ) -> ChatCompletion:
+        return ChatCompletion(
+            id=generation.request_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+        )
+
+    def opening(self, generation: Generation) -> bytes:
+        role = ChatDelta(role="assistant", content="")
+        return b"".join(
+            self.event(generation, ChatChunkChoice(index, role))
+            for index in range(len(generation.choices))
+        )
+
+    def delta_events(self, generation: Generation, delta: ChoiceDelta) -> bytes | None:
+        finished = delta.finish_reason is not None
+        if not delta.text and not finished and self.logprobs is None:
+            return None  # held back (a partial character or a possible stop string)
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = _chat_logprobs(
+                self.token_text, delta.token_ids, delta.logprobs, self.logprobs
+            )
+        processor = self.processors[delta.index]
+        piece = processor.feed_last(delta.text) if finished else processor.feed(delta.text)
+        if piece.is_empty and not finished and logprobs is None:
+            return None
         reasoning = piece.reasoning if self.include_reasoning else None
-        return ChatDelta(
+        message = ChatDelta(
             content=piece.content or None,
             reasoning_content=reasoning or None,
             reasoning=reasoning or None,
             tool_calls=piece.tool_calls or None,
         )
+        finish = self._finish_reason(delta.index, delta.finish_reason)
+        choice = ChatChunkChoice(delta.index, message, logprobs, finish, delta.stop_reason)
+        return self.event(generation, choice)
 
-
-async def _collect(
-    state: RenderState, generation: Generation, created: int, top: int, output: _Output
-) -> ChatCompletion:
-    async for _ in generation.deltas():
-        pass
-    choices = []
-    for index, totals in enumerate(generation.totals):
+    def whole_choice(self, choice: Choice) -> ChatChoice:
         logprobs = None
-        if generation.choices[index].sampling.logprobs is not None:
-            logprobs = _chat_logprobs(state.token_text, totals.token_ids, totals.logprobs, top)
-        result = output.processors[index].whole("".join(totals.text))
-        reasoning = result.reasoning if output.include_reasoning else None
+        if self.logprobs is not None:
+            logprobs = _chat_logprobs(
+                self.token_text, choice.token_ids, choice.logprobs, self.logprobs
+            )
+        result = self.processors[choice.index].whole(choice.text)
+        reasoning = result.reasoning if self.include_reasoning else None
         message = ChatMessageOut(
             role="assistant",
             content=result.content,
@@ -235,58 +232,10 @@ async def _collect(
             reasoning_content=reasoning,
             reasoning=reasoning,
         )
-        choices.append(
-            ChatChoice(
-                index=index,
-                message=message,
-                logprobs=logprobs,
-                finish_reason=output.finish_reason(index, totals.finish_reason),
-                stop_reason=totals.stop_reason,
-            )
-        )
-    return ChatCompletion(
-        id=generation.request_id,
-        created=created,
-        model=state.model_id,
-        choices=choices,
-        usage=usage_of(generation),
-    )
-
-
-async def _stream(
-    state: RenderState,
-    generation: Generation,
-    created: int,
-    top: int,
-    include_usage: bool,
-    output: _Output,
-) -> AsyncIterator[bytes]:
-    request_id, model = generation.request_id, state.model_id
-    wants_logprobs = generation.choices[0].sampling.logprobs is not None
-
-    def chunk(choice: ChatChunkChoice) -> bytes:
-        return sse_event(ChatCompletionChunk(request_id, created, model, [choice]))
-
-    for index in range(len(generation.choices)):
-        yield chunk(ChatChunkChoice(index, ChatDelta(role="assistant", content="")))
-    delta: ChoiceDelta
-    async for delta in generation.deltas():
-        if not delta.text and delta.finish_reason is None and not wants_logprobs:
-            continue  # held back (a partial character or a possible stop string)
-        logprobs = None
-        if wants_logprobs:
-            logprobs = _chat_logprobs(state.token_text, delta.token_ids, delta.logprobs, top)
-        processor = output.processors[delta.index]
-        piece = processor.feed(delta.text)
-        if delta.finish_reason is not None:
-            piece = processor._merge(piece, processor.finish())
-        if piece.is_empty and delta.finish_reason is None and logprobs is None:
-            continue
-        finish = output.finish_reason(delta.index, delta.finish_reason)
-        yield chunk(
-            ChatChunkChoice(delta.index, output.delta(piece), logprobs, finish, delta.stop_reason)
-        )
-    if include_usage:
-        yield sse_event(
-            ChatCompletionChunk(request_id, created, model, [], usage=usage_of(generation))
+        return ChatChoice(
+            index=choice.index,
+            message=message,
+            logprobs=logprobs,
+            finish_reason=self._finish_reason(choice.index, choice.finish_reason),
+            stop_reason=choice.stop_reason,
         )

@@ -2,82 +2,49 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncIterator
-
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from render_server.generation.lifecycle import ChoiceDelta, Generation
-from render_server.generation.sampling_params import (
-    build_choices,
-    check_prompt_length,
-    reject_unsupported,
-    resolve_max_tokens,
-)
+from render_server.generation.lifecycle import Choice, ChoiceDelta, Generation
 from render_server.generation.structured import resolve_constraint
 from render_server.http.api.deps import RenderState, StateDep
+from render_server.http.endpoint import admit, new_generation, respond
 from render_server.http.errors import ApiError
-from render_server.http.schemas.generation import MAX_COMPLETION_LOGPROBS, CompletionRequest
+from render_server.http.formatter import OpenAIFormatter
+from render_server.http.schemas.generation import CompletionRequest
 from render_server.http.schemas.responses import (
     CompletionChoice,
     CompletionLogprobs,
     TextCompletion,
     Usage,
 )
-from render_server.http.serving import (
-    GENERATION_ERRORS,
-    json_response,
-    new_request_id,
-    sse_event,
-    stream_with_errors,
-    until_disconnect,
-    usage_of,
-    worker_error_to_api,
-)
+from render_server.http.serving import GENERATION_ERRORS, new_request_id
 from render_server.templating.token_text import TokenText
-from render_server.worker_client.pool import WorkerError
 from shared.protocol import TokenLogprobs
 
 router = APIRouter(tags=["generation"])
-MAX_PROMPTS = 64
 
 
 async def _prompts(state: RenderState, body: CompletionRequest) -> list[list[int]]:
     """Every prompt form as token ids: a string, strings, ids, or lists of ids."""
-    prompt = body.prompt
-    tokenizer = state.tokenizer
-    if isinstance(prompt, str):
-        texts: list[str] = [prompt]
-    elif not prompt:
-        raise ApiError(400, "prompt: must not be empty.", param="prompt")
-    elif isinstance(prompt[0], str):
-        texts = list(prompt)  # type: ignore[arg-type]
-    else:
-        texts = []
-    if texts:
-        if len(texts) > MAX_PROMPTS:
-            raise ApiError(400, f"prompt: at most {MAX_PROMPTS} prompts.", param="prompt")
-        encode = tokenizer.encode_batch
+    texts = body.prompt_texts()
+    if texts is not None:
+        encode = state.tokenizer.encode_batch
         if sum(len(t) for t in texts) > 16_384:
             return await run_in_threadpool(encode, texts, body.add_special_tokens)
         return encode(texts, body.add_special_tokens)
-    id_lists = [prompt] if isinstance(prompt[0], int) else prompt
-    if len(id_lists) > MAX_PROMPTS:
-        raise ApiError(400, f"prompt: at most {MAX_PROMPTS} prompts.", param="prompt")
-    vocab_size = tokenizer.vocab_size
+    id_lists = body.prompt_token_ids()
+    vocab_size = state.tokenizer.vocab_size
     for ids in id_lists:
-        for token_id in ids:  # type: ignore[union-attr]
+        for token_id in ids:
             if not 0 <= token_id < vocab_size:
                 raise ApiError(
                     400,
                     f"prompt: token id {token_id} is outside the vocabulary [0, {vocab_size}).",
                     param="prompt",
                 )
-    return [list(ids) for ids in id_lists]  # type: ignore[arg-type]
+    return id_lists
 
 
 def _logprobs(
@@ -117,199 +84,85 @@ def _logprobs(
 @router.post("/v1/completions", responses=GENERATION_ERRORS)
 async def completions(body: CompletionRequest, request: Request, state: StateDep) -> Response:
     """OpenAI's text completions, streamed (SSE) or not; several prompts allowed."""
-    reject_unsupported(body)
-    state.check_model(body.model)
-    if body.best_of is not None and body.best_of != body.n:
-        raise ApiError(400, "best_of other than n is not supported.", param="best_of")
-    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
-        raise ApiError(
-            400, f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}].", param="logprobs"
-        )
-    pool = state.require_workers()
+    pool = admit(state, body)
     constraint = await resolve_constraint(request, state, body)
-    prompts = await _prompts(state, body)
-    max_model_len = state.max_model_len
-    generations = []
-    for index, prompt_ids in enumerate(prompts):
-        check_prompt_length(len(prompt_ids), max_model_len, "prompt")
-        max_tokens = resolve_max_tokens(
-            body.max_tokens, "max_tokens", len(prompt_ids), max_model_len
-        )
-        choices = build_choices(
-            body,
-            max_tokens=max_tokens,
-            logprobs=body.logprobs,
-            vocab_size=state.tokenizer.vocab_size,
-            max_n=state.settings.max_n,
-        )
-        generations.append(
-            Generation(
-                pool,
-                state.tokenizer,
-                f"{new_request_id('cmpl')}-{index}",
-                prompt_ids,
-                choices,
-                priority=body.priority,
-                constraint=constraint,
-            )
-        )
-    try:
-        for generation in generations:
-            await generation.__aenter__()
-    except WorkerError as exc:
-        for generation in generations:
-            await generation.abort()
-            state.generation_metrics.record(generation)
-        raise worker_error_to_api(exc) from exc
-    response_id = generations[0].request_id.rsplit("-", 1)[0]
-    created = int(time.time())
-    if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        chunks = _stream(state, body, generations, response_id, created, include_usage)
-        return StreamingResponse(
-            stream_with_errors(chunks),
-            media_type="text/event-stream",
-            background=BackgroundTask(_abort_all, generations),
-        )
-    try:
-        result = await until_disconnect(
-            request, _collect(state, body, generations, response_id, created)
-        )
-    except WorkerError as exc:
-        raise worker_error_to_api(exc) from exc
-    finally:
-        await _abort_all(generations)
-        for generation in generations:
-            state.generation_metrics.record(generation)
-    return json_response(result)
-
-
-async def _abort_all(generations: list[Generation]) -> None:
-    for generation in generations:
-        await generation.abort()
-
-
-def _total_usage(generations: list[Generation]) -> Usage:
-    usages = [usage_of(g) for g in generations]
-    total = usages[0]
-    for usage in usages[1:]:
-        total.prompt_tokens += usage.prompt_tokens
-        total.completion_tokens += usage.completion_tokens
-        total.total_tokens += usage.total_tokens
-        if total.prompt_tokens_details and usage.prompt_tokens_details:
-            total.prompt_tokens_details.cached_tokens += usage.prompt_tokens_details.cached_tokens
-    return total
-
-
-async def _collect(
-    state: RenderState,
-    body: CompletionRequest,
-    generations: list[Generation],
-    response_id: str,
-    created: int,
-) -> TextCompletion:
-    async def drain(generation: Generation) -> None:
-        async for _ in generation.deltas():
-            pass
-
-    await asyncio.gather(*(drain(g) for g in generations))
-    choices = []
-    n = body.n
-    for prompt_index, generation in enumerate(generations):
-        prompt_text = ""
-        if body.echo:
-            prompt_text = state.tokenizer.decode(
-                generation.prompt_token_ids, skip_special_tokens=False
-            )
-        for choice_index, totals in enumerate(generation.totals):
-            logprobs = None
-            if body.logprobs is not None:
-                logprobs = _logprobs(
-                    state.token_text,
-                    totals.token_ids,
-                    totals.logprobs,
-                    body.logprobs,
-                    0,
-                    generation.prompt_token_ids if body.echo else None,
-                )
-            choices.append(
-                CompletionChoice(
-                    index=prompt_index * n + choice_index,
-                    text=prompt_text + "".join(totals.text),
-                    logprobs=logprobs,
-                    finish_reason=totals.finish_reason,
-                    stop_reason=totals.stop_reason,
-                )
-            )
-    return TextCompletion(
-        id=response_id,
-        created=created,
-        model=state.model_id,
-        choices=choices,
-        usage=_total_usage(generations),
+    generation = new_generation(
+        state,
+        pool,
+        body,
+        new_request_id("cmpl"),
+        await _prompts(state, body),
+        prompt_param="prompt",
+        constraint=constraint,
     )
+    formatter = CompletionFormatter(state, body)
+    return await respond(request, generation, formatter, stream=body.stream)
 
 
-async def _stream(
-    state: RenderState,
-    body: CompletionRequest,
-    generations: list[Generation],
-    response_id: str,
-    created: int,
-    include_usage: bool,
-) -> AsyncIterator[bytes]:
-    model, n = state.model_id, body.n
-    queue: asyncio.Queue[tuple[int, ChoiceDelta] | BaseException | None] = asyncio.Queue()
-    offsets: dict[int, int] = {}
-    echoed: set[int] = set()
+class CompletionFormatter(OpenAIFormatter[CompletionChoice, CompletionChoice]):
+    """OpenAI text completions: `text_completion` events, or one `text_completion` body.
 
-    async def pump(prompt_index: int, generation: Generation) -> None:
-        try:
-            async for delta in state.generation_metrics.recorded_deltas(generation):
-                queue.put_nowait((prompt_index, delta))
-        except BaseException as exc:
-            queue.put_nowait(exc)
-        finally:
-            queue.put_nowait(None)
+    Choice `i` of prompt `p` is index `p * n + i`; with `echo`, a choice's first text
+    starts with its prompt.
+    """
 
-    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generations)]
-    try:
-        running = len(tasks)
-        while running:
-            item = await queue.get()
-            if item is None:
-                running -= 1
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            prompt_index, delta = item
-            generation = generations[prompt_index]
-            index = prompt_index * n + delta.index
-            text = delta.text
-            echo_ids = None
-            if body.echo and index not in echoed:
-                echoed.add(index)
-                echo_ids = generation.prompt_token_ids
-                text = state.tokenizer.decode(echo_ids, skip_special_tokens=False) + text
-            if not text and delta.finish_reason is None and body.logprobs is None:
-                continue
-            logprobs = None
-            if body.logprobs is not None:
-                logprobs = _logprobs(
-                    state.token_text,
-                    delta.token_ids,
-                    delta.logprobs,
-                    body.logprobs,
-                    offsets.get(index, 0),
-                    echo_ids,
-                )
-                offsets[index] = offsets.get(index, 0) + len(text)
-            choice = CompletionChoice(index, text, logprobs, delta.finish_reason, delta.stop_reason)
-            yield sse_event(TextCompletion(response_id, created, model, [choice]))
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    if include_usage:
-        usage = _total_usage(generations)
-        yield sse_event(TextCompletion(response_id, created, model, [], usage=usage))
+    def __init__(self, state: RenderState, body: CompletionRequest) -> None:
+        super().__init__(state.model_id, body.stream_options)
+        self.tokenizer = state.tokenizer
+        self.token_text = state.token_text
+        self.echo = body.echo
+        self.logprobs = body.logprobs
+        self._offsets: dict[int, int] = {}  # streamed text so far per choice, for text_offset
+        self._echoed: set[int] = set()
+
+    def chunk(
+        self, generation: Generation, choices: list[CompletionChoice], usage: Usage | None = None
+    ) -> TextCompletion:
+        return TextCompletion(generation.request_id, self.created, self.model, choices, usage=usage)
+
+    def whole(
+        self, generation: Generation, choices: list[CompletionChoice], usage: Usage
+    ) -> TextCompletion:
+        return self.chunk(generation, choices, usage)
+
+    def _prompt_text(self, choice: Choice) -> str:
+        return self.tokenizer.decode(choice.prompt.prompt_token_ids, skip_special_tokens=False)
+
+    def delta_events(self, generation: Generation, delta: ChoiceDelta) -> bytes | None:
+        index = delta.index
+        text = delta.text
+        echo_ids = None
+        if self.echo and index not in self._echoed:
+            self._echoed.add(index)
+            choice = generation.choices[index]
+            echo_ids = choice.prompt.prompt_token_ids
+            text = self._prompt_text(choice) + text
+        if not text and delta.finish_reason is None and self.logprobs is None:
+            return None
+        logprobs = None
+        if self.logprobs is not None:
+            offset = self._offsets.get(index, 0)
+            logprobs = _logprobs(
+                self.token_text, delta.token_ids, delta.logprobs, self.logprobs, offset, echo_ids
+            )
+            self._offsets[index] = offset + len(text)
+        return self.event(
+            generation,
+            CompletionChoice(index, text, logprobs, delta.finish_reason, delta.stop_reason),
+        )
+
+    def whole_choice(self, choice: Choice) -> CompletionChoice:
+        prompt_text = self._prompt_text(choice) if self.echo else ""
+        logprobs = None
+        if self.logprobs is not None:
+            echo_ids = choice.prompt.prompt_token_ids if self.echo else None
+            logprobs = _logprobs(
+                self.token_text, choice.token_ids, choice.logprobs, self.logprobs, 0, echo_ids
+            )
+        return CompletionChoice(
+            index=choice.index,
+            text=prompt_text + choice.text,
+            logprobs=logprobs,
+            finish_reason=choice.finish_reason,
+            stop_reason=choice.stop_reason,
+        )

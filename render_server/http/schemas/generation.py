@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from render_server.http.schemas.tokenize import ChatMessage, ToolDefinition
 
@@ -19,6 +19,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_CHAT_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 20
+MAX_PROMPTS = 64
 
 StopField = Annotated[
     str | list[str] | None,
@@ -92,10 +93,45 @@ class SamplingFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings.")
+        if any(not 0 < len(s) <= MAX_STOP_STRING_CHARS for s in stops):
+            raise ValueError(f"each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters.")
+        return stop
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _check_min_tokens(cls, min_tokens: int) -> int:
+        if min_tokens < 0:
+            raise ValueError("must be non-negative.")
+        return min_tokens
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            try:
+                int(key)
+            except ValueError:
+                raise ValueError(f"key {key!r} is not a token id.") from None
+        return bias
+
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """The output limit the client set (None: unset) and the field it set it in."""
+        return self.max_tokens, "max_tokens"
+
+    def num_logprobs(self) -> int | None:
+        """Top alternatives to return per token, or None without logprobs."""
+        return None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -118,16 +154,88 @@ class ChatCompletionRequest(SamplingFields):
     include_reasoning: bool = True
     """Return the reasoning the --reasoning-parser splits off (reasoning_content)."""
 
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top is not None:
+            if not 0 <= top <= MAX_CHAT_LOGPROBS:
+                raise ValueError(f"must be in [0, {MAX_CHAT_LOGPROBS}].")
+            if not info.data.get("logprobs"):
+                raise ValueError("needs logprobs: true.")
+        return top
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _check_continue(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt"):
+            raise ValueError("cannot be true together with add_generation_prompt.")
+        return value
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
 
 class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     logprobs: int | None = None
     echo: bool = False
     add_special_tokens: bool = True
     suffix: str | None = None
     best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, prompt: Prompt) -> Prompt:
+        if isinstance(prompt, str):
+            return prompt
+        if not prompt:
+            raise ValueError("must not be empty.")
+        if not isinstance(prompt[0], int) and len(prompt) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts.")
+        return prompt
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @field_validator("logprobs")
+    @classmethod
+    def _check_logprobs(cls, logprobs: int | None) -> int | None:
+        if logprobs is not None and not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise ValueError(f"must be in [0, {MAX_COMPLETION_LOGPROBS}].")
+        return logprobs
+
+    @field_validator("best_of")
+    @classmethod
+    def _check_best_of(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        if best_of is not None and best_of != info.data.get("n", 1):
+            raise ValueError("best_of other than n is not supported.")
+        return best_of
+
+    def prompt_texts(self) -> list[str] | None:
+        """The prompts as strings, or None when they are token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        return [p for p in prompt if isinstance(p, str)] if isinstance(prompt[0], str) else None
+
+    def prompt_token_ids(self) -> list[list[int]]:
+        """The prompts as token ids (when they are not strings)."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or isinstance(prompt[0], str):
+            return []
+        if isinstance(prompt[0], int):
+            return [[t for t in prompt if isinstance(t, int)]]
+        return [list(ids) for ids in prompt if isinstance(ids, list)]
 
 
 # Field -> why it is refused. Only refused when the client actually sets it.

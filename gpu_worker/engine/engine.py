@@ -121,6 +121,7 @@ class Engine:
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=max_model_len,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
             ),
             self.kv,
             self.eos_token_ids,

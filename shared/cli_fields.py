@@ -56,15 +56,19 @@ class ConfigField:
     """One field of a config class, as the command line sees it."""
 
     name: str
+    """The field's name; also the flag's argparse dest."""
     annotation: Any
     """The field's type, `Annotated` metadata removed."""
     default: Any
     """The default (a default factory already called); `dataclasses.MISSING` if required."""
     doc: str
+    """The docstring under the field: the flag's help."""
     flag: Flag
+    """The field's `Flag`, or a default one when it has none."""
 
     @property
     def option(self) -> str:
+        """The option string, e.g. `--max-num-seqs`."""
         if self.flag.name is not None:
             return self.flag.name
         stem = self.name.removesuffix("_s").replace("_", "-")
@@ -73,12 +77,12 @@ class ConfigField:
 
 def add_fields(parser: argparse.ArgumentParser, config_cls: type) -> None:
     """Add a flag to `parser` for every field of `config_cls` that is one, in field order."""
-    group: argparse.ArgumentParser | argparse._ArgumentGroup = parser
+    add_argument: Callable[..., argparse.Action] = parser.add_argument
     for field in config_fields(config_cls):
         if field.flag.section is not None:
-            group = parser.add_argument_group(field.flag.section)
+            add_argument = parser.add_argument_group(field.flag.section).add_argument
         if field.flag.is_flag:
-            group.add_argument(field.option, dest=field.name, **_argparse_options(field))
+            add_argument(field.option, dest=field.name, **_argparse_options(field))
 
 
 def given_fields(args: argparse.Namespace, config_cls: type) -> dict[str, Any]:

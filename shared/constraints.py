@@ -4,10 +4,10 @@ Why llguidance (over outlines, xgrammar, lm-format-enforcer): its core is Rust b
 small wheel with no torch dependency, so the CPU render tier validates a constraint with
 the very compiler the worker runs; one engine covers JSON schema, regex, Lark/GBNF
 grammars and choice lists; the token mask is computed lazily from a lexer DFA walked
-over a token trie, typically 10-100 us per request per step, with no per-schema
-precompilation over the whole vocabulary; and its parser limits ("fuel") bound the work
-any single grammar can cost, deterministically, so both tiers reject the same grammar
-bombs.
+over a token trie, a small fraction of a millisecond per request per step (bench/RESULTS.md,
+"Constraint costs"), with no per-schema precompilation over the whole vocabulary; and its
+parser limits ("fuel") bound the work any single grammar can cost, deterministically, so
+both tiers reject the same grammar bombs.
 
 Both tiers build matchers with the same `parser_limits()`, on large-stack threads. The
 render tier calls `validate` before sending: it compiles, walks the first few tokens
@@ -35,13 +35,13 @@ if TYPE_CHECKING:
 MAX_CHOICES = 1024
 MAX_SCHEMA_PROPERTIES = 2000
 """In all objects of a schema together: llguidance compiles optional properties in time
-quadratic in their number per object (1,000 take 0.1 s, 4,000 take 2.4 s)."""
+quadratic in their number per object (measured in bench/RESULTS.md, "Constraint costs")."""
 MAX_COMPILE_CPU_S = 0.5
 """CPU budget of compiling a constraint and computing its first mask, in `validate`."""
 MAX_STEP_CPU_S = 0.05
 """CPU budget of each later mask + token in `validate`. A worker computes every constrained
 row's mask each step, so a constraint costing more would slow all requests batched with
-it; typical steps cost well under 1 ms."""
+it; a typical step costs a small fraction of this (bench/RESULTS.md)."""
 COMPILE_STACK_BYTES = 256 << 20
 """Stack of the threads that build matchers. llguidance recurses once per nested rule: a
 227 KB grammar of 10k chained rules segfaults an 8 MB stack (12k rules a 16 MB one), and
@@ -52,8 +52,9 @@ MAX_ERROR_CHARS = 1024
 VALIDATION_WALK_TOKENS = 8
 """Tokens `validate` feeds the matcher after compiling it (see there)."""
 INITIAL_LEXER_FUEL = 200_000
-"""A fifth of llguidance's default: a regex bomb runs out in ~0.1-0.2 s of CPU, while
-nested schemas, 2,000-value enums and bounded repeats like [0-9]{1,1000} still compile."""
+"""A fifth of llguidance's default: a regex bomb runs out well within MAX_COMPILE_CPU_S
+(bench/RESULTS.md), while nested schemas, 2,000-value enums and bounded repeats like
+[0-9]{1,1000} still compile."""
 
 # Compact, fixed whitespace: a small model given free whitespace may fill its budget with
 # newlines before closing the object. `x-guidance` in a schema can override this.
@@ -83,7 +84,7 @@ def parser_limits() -> llguidance.LLParserLimits:
 def lltokenizer_from_hf(
     hf: HFTokenizer, *, vocab_size: int, eos_token_ids: list[int] | None
 ) -> llguidance.LLTokenizer:
-    """The llguidance view of a `tokenizers.Tokenizer` (slow, ~1 s: build once per app).
+    """The llguidance view of a `tokenizers.Tokenizer` (slow: build once per app).
 
     `eos_token_ids` are the tokens that end an accepted output (None: the tokenizer's own).
     """
@@ -145,7 +146,7 @@ def validate(constraint: Constraint, tokenizer: llguidance.LLTokenizer | HFToken
     an allowed token from the middle of the mask. Compiling (with the first mask) must fit
     in MAX_COMPILE_CPU_S of CPU and every later step in MAX_STEP_CPU_S, measured as this
     thread's CPU time so that machine load does not move the verdict. A bomb deeper than
-    the walk still fails on the worker after one fuel's worth of work (~0.2 s), ending
+    the walk still fails on the worker after one fuel's worth of work, ending
     only that request. Call it off the event loop. A `tokenizers.Tokenizer` is converted
     first (slow).
     """

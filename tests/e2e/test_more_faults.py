@@ -429,7 +429,7 @@ def _greedy(request_id: str, index: int) -> Generate:
     )
 
 
-@pytest.mark.slow  # 16 solo runs of 40 tokens first: about a minute on 2 cores
+@pytest.mark.slow  # 16 solo runs of 40 tokens first, then the 16 together
 def test_kv_exhaustion_preempts_and_every_output_matches_its_solo_run(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:

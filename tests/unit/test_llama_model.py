@@ -52,7 +52,7 @@ CASES: list[tuple[str, Family, bool, dict[str, Any], str | None]] = [
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread() -> Iterator[None]:
-    """Two OpenMP threads on a shared 2-core box spin against other jobs and run ~10x slower."""
+    """Two OpenMP threads on a shared 2-core box spin against other jobs and run far slower."""
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

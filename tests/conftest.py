@@ -37,9 +37,21 @@ def smollm2_tokenizer(smollm2_source: ModelSource) -> Any:
     return Tokenizer.from_source(smollm2_source)
 
 
+# Fixtures too slow to build in the inner loop (`make test-fast`): a test that uses one is
+# marked slow here, once, rather than by hand on each test.
+SLOW_FIXTURES = {"hf_reference_tokenizer"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def hf_reference_tokenizer(smollm2_source: ModelSource) -> Any:
-    """transformers' tokenizer from the same GGUF: the reference for ids and chat templates."""
+    """transformers' tokenizer from the same GGUF: the reference for ids and chat templates.
+    Slow to build: transformers reads the whole vocabulary through gguf.GGUFReader."""
     transformers = pytest.importorskip("transformers")
     # The GGUF loader logs a warning per call; it says nothing a test needs.
     logging.getLogger("transformers").setLevel(logging.ERROR)

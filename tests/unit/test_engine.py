@@ -27,6 +27,9 @@ QUESTIONS = [
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
 
+# Every test runs SmolLM2 through the engine, most of them against transformers.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:

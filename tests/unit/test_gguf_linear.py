@@ -164,6 +164,7 @@ def test_only_cpu_fp32_gets_quantized_copies(ext: ModuleType) -> None:
     assert not quantized_kernels_available(torch.device("cuda"), torch.float32)
 
 
+@pytest.mark.slow  # loads SmolLM2 twice
 def test_smollm2_quantized_copies_match_dense_weights(ext: ModuleType) -> None:
     """The loader's blocks, Q/K rows unpermuted and fused, are the dense weights exactly."""
     from gpu_worker.loader import load_model
@@ -197,6 +198,7 @@ def test_smollm2_quantized_copies_match_dense_weights(ext: ModuleType) -> None:
     )
 
 
+@pytest.mark.slow  # two SmolLM2 engines
 def test_engine_flag_keeps_dense_weights_with_the_same_tokens(ext: ModuleType) -> None:
     """`gpu-worker --no-cpu-gguf-kernels` (cpu_gguf_kernels=False) attaches no blocks; the
     greedy tokens are the kernel path's."""

@@ -63,6 +63,7 @@ def hf(smollm2: ModelSource) -> transformers.PreTrainedModel:
     ).eval()
 
 
+@pytest.mark.slow  # SmolLM2 in our loader and in transformers
 def test_smollm2_config(ours: tuple[LlamaForCausalLM, ModelConfig, float]) -> None:
     _, config, load_s = ours
     assert config.architecture == "llama"
@@ -77,6 +78,7 @@ def test_smollm2_config(ours: tuple[LlamaForCausalLM, ModelConfig, float]) -> No
     assert load_s < 20
 
 
+@pytest.mark.slow  # SmolLM2 in our loader and in transformers
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_smollm2_logits_match_transformers(
     ours: tuple[LlamaForCausalLM, ModelConfig, float],
@@ -90,6 +92,7 @@ def test_smollm2_logits_match_transformers(
     assert (got - expected).abs().max().item() < 1e-3
 
 
+@pytest.mark.slow  # SmolLM2 in our loader and in transformers
 @pytest.mark.parametrize("prompt", PROMPTS[:2])
 def test_smollm2_greedy_tokens_match_transformers(
     ours: tuple[LlamaForCausalLM, ModelConfig, float],

@@ -13,6 +13,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = textwrap.dedent(
@@ -69,6 +71,7 @@ CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a fresh interpreter imports the render tier and serves a request
 def test_render_server_serves_without_torch() -> None:
     # From the repository root, where the child finds `tests.helpers` as pytest does.
     result = subprocess.run(

@@ -109,6 +109,7 @@ def json_schema(schema: dict) -> Constraint:
 # ---- the worker: outputs hold to their constraints ----------------------------------
 
 
+@pytest.mark.slow  # a SmolLM2 engine
 def test_mixed_batch_every_constrained_output_parses_and_free_rows_are_untouched(
     engine: Engine, smollm2_tokenizer: Any
 ) -> None:
@@ -159,6 +160,7 @@ def test_mixed_batch_every_constrained_output_parses_and_free_rows_are_untouched
     assert len(sampled_free[0][0]) == 12
 
 
+@pytest.mark.slow  # a SmolLM2 engine
 def test_constraint_state_survives_preemption_with_a_tiny_cache(
     engine: Engine, smollm2_tokenizer: Any
 ) -> None:
@@ -188,6 +190,7 @@ def test_constraint_state_survives_preemption_with_a_tiny_cache(
     assert small.kv.num_free_blocks == small.kv.num_blocks
 
 
+@pytest.mark.slow  # a SmolLM2 engine
 def test_the_worker_refuses_constraints_that_do_not_compile(engine: Engine) -> None:
     sampling = SamplingParams(max_tokens=4)
     for constraint in (
@@ -207,6 +210,7 @@ def test_the_worker_refuses_constraints_that_do_not_compile(engine: Engine) -> N
     assert not engine.has_unfinished_requests()
 
 
+@pytest.mark.slow  # a SmolLM2 engine
 def test_a_resumed_request_continues_its_constraint(engine: Engine, smollm2_tokenizer: Any) -> None:
     # As after a failover: the earlier output is in the prompt and counted as resumed.
     tok = smollm2_tokenizer

@@ -263,6 +263,7 @@ def _assert_idle(client: Client, timeout_s: float = 10.0) -> None:
     wait_until(idle, timeout_s, "the worker to return to idle", interval_s=0, detail=lambda: stats)
 
 
+@pytest.mark.slow  # a worker process
 def test_worker_survives_bursts_of_bad_frames_and_counts_them(fuzz_worker: WorkerProcess) -> None:
     client = Client(fuzz_worker.address)
     context = zmq.Context()
@@ -384,6 +385,7 @@ def _outcome(client: Client, request_ids: set[str], timeout_s: float) -> dict[st
     return ended
 
 
+@pytest.mark.slow  # a worker process
 def test_worker_answers_every_odd_but_decodable_generate(fuzz_worker: WorkerProcess) -> None:
     client = Client(fuzz_worker.address)
     try:

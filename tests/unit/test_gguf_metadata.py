@@ -64,6 +64,7 @@ def test_every_value_type_and_the_tensor_table_match_gguf_reader(tiny: Path) -> 
     _assert_same_as_gguf_reader(tiny)
 
 
+@pytest.mark.slow  # gguf.GGUFReader takes seconds over SmolLM2's vocabulary
 def test_smollm2_header_matches_gguf_reader(smollm2_source: ModelSource) -> None:
     _assert_same_as_gguf_reader(Path(smollm2_source.path))
 

@@ -351,6 +351,7 @@ print(validate(chain, tokenizer))
 """
 
 
+@pytest.mark.slow  # a fresh interpreter builds a 10k-rule grammar
 def test_a_deeply_chained_grammar_compiles_instead_of_overflowing_the_stack(
     smollm2_source: ModelSource,
 ) -> None:

@@ -437,6 +437,7 @@ def test_json_scanner_refuses_excessive_depth() -> None:
 
 # -- linear time on pathological outputs ----------------------------------------------------------
 
+# Of this thread's CPU time, so that other jobs on a shared box do not count against it.
 TIME_LIMIT_S = 1.0
 
 
@@ -494,14 +495,14 @@ def test_pathological_outputs_take_linear_time(name: str) -> None:
     parser_class = get_tool_parser(parser_name)
     pieces = chunked(text, size)
     parser = parser_class(TOOLS)
-    start = time.perf_counter()
+    start = time.thread_time()
     messages = [parser.feed(piece) for piece in pieces]
     messages.append(parser.finish())
-    elapsed = time.perf_counter() - start
+    elapsed = time.thread_time() - start
     assert elapsed < TIME_LIMIT_S, f"streamed: {elapsed:.2f} s"
-    start = time.perf_counter()
+    start = time.thread_time()
     extracted = parser_class(TOOLS).extract(text)
-    elapsed = time.perf_counter() - start
+    elapsed = time.thread_time() - start
     assert elapsed < TIME_LIMIT_S, f"extracted: {elapsed:.2f} s"
     content = "".join(message.content or "" for message in messages)
     assert content == (extracted.content or "")

@@ -157,6 +157,7 @@ def _check_decoder(decoder: RenderMessageDecoder | WorkerMessageDecoder, frame: 
         assert ENCODER.encode(decoder.decode(again)) == again
 
 
+@pytest.mark.slow  # hundreds of hypothesis examples
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(any_frame)
 def test_render_decoder_only_raises_protocol_errors(frame: bytes) -> None:
@@ -165,6 +166,7 @@ def test_render_decoder_only_raises_protocol_errors(frame: bytes) -> None:
     assert decoder.decode(RENDER_FRAMES[1]) == RENDER_MESSAGES[1]
 
 
+@pytest.mark.slow  # hundreds of hypothesis examples
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(any_frame)
 def test_worker_decoder_only_raises_protocol_errors(frame: bytes) -> None:
@@ -173,6 +175,7 @@ def test_worker_decoder_only_raises_protocol_errors(frame: bytes) -> None:
     assert decoder.decode(WORKER_FRAMES[1]) == WORKER_MESSAGES[1]
 
 
+@pytest.mark.slow  # hundreds of hypothesis examples
 @settings(max_examples=200, deadline=None)
 @given(st.lists(any_frame, min_size=2, max_size=20))
 def test_one_decoder_survives_a_sequence_of_bad_frames(frames: list[bytes]) -> None:

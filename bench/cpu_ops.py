@@ -28,7 +28,8 @@ from results_md import write_section
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_worker.attention import torch_backend as attention  # noqa: E402
-from gpu_worker.attention.torch_backend import AttentionMetadata, TorchAttentionBackend  # noqa: E402
+from gpu_worker.attention.metadata import build_attention_metadata  # noqa: E402
+from gpu_worker.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from gpu_worker.ops import cpu_ops  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, LAYERS, BLOCK = 9, 3, 64, 576, 30, 16
@@ -67,8 +68,9 @@ def attention_case(num_seqs: int, context: int, repeats: int) -> tuple[float, fl
     backend = TorchAttentionBackend()
 
     def step() -> None:
-        # A fresh metadata per step: the torch path builds its plan once per step.
-        meta = AttentionMetadata.build([1] * num_seqs, [context] * num_seqs, tables, BLOCK)
+        # A fresh metadata and plan per step, as the model runner makes them.
+        meta = build_attention_metadata([1] * num_seqs, [context] * num_seqs, tables, BLOCK)
+        backend.plan(meta, caches[0])
         for cache in caches:
             backend.forward(q, k, v, cache, meta, HEAD_DIM**-0.5)
 

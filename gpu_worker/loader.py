@@ -21,10 +21,10 @@ import numpy as np
 import torch
 from gguf.gguf_reader import ReaderTensor
 from safetensors import safe_open
-from torch import nn
 
-from gpu_worker.attention.torch_backend import AttentionBackend, TorchAttentionBackend
-from gpu_worker.models import get_model_class
+from gpu_worker.attention.backend import AttentionBackend
+from gpu_worker.attention.torch_backend import TorchAttentionBackend
+from gpu_worker.models import CausalLM, get_model_class
 from gpu_worker.models.config import ModelConfig, RopeScaling
 from gpu_worker.ops.gguf_linear import (
     QuantizedWeight,
@@ -271,7 +271,7 @@ def load_model(
     *,
     layer_ops: LayerOps | None = None,
     gguf_kernels: bool = True,
-) -> tuple[nn.Module, ModelConfig]:
+) -> tuple[CausalLM, ModelConfig]:
     """Build the model on `device` in `dtype` (default bf16 on CUDA, fp32 elsewhere) and fill
     it with the source's weights. Attention and layer ops default to plain torch. `gguf_kernels`
     lets an fp32 CPU model read a GGUF file's quantized blocks in decode-sized matmuls."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.attention.torch_backend import AttentionMetadata
+from gpu_worker.attention.metadata import AttentionMetadata
 
 
 class TritonAttentionBackend:
@@ -25,6 +25,10 @@ class TritonAttentionBackend:
         self._write_kv_cache = write_kv_cache
         self._decode = paged_decode_attention
         self._prefill = paged_prefill_attention
+
+    def plan(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> None:
+        """Nothing to prepare: the kernels read the metadata as it is (and a CUDA graph
+        replays them with no host work at all)."""
 
     def write_kv(
         self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor

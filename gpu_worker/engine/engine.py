@@ -18,34 +18,35 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_worker.attention.torch_backend import allocate_kv_caches, get_attention_backend
+from gpu_worker.attention.backend import get_attention_backend, resolve_backend_name
 from gpu_worker.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from gpu_worker.engine.errors import RequestRejected
 from gpu_worker.engine.kv_cache import KVCacheManager
-from gpu_worker.engine.scheduler import Scheduler
+from gpu_worker.engine.scheduler import ScheduledSequence, Scheduler
 from gpu_worker.engine.sequence import FinishReason, Sequence
 from gpu_worker.loader import load_model
+from gpu_worker.models.config import ModelConfig
 from gpu_worker.ops.layer_ops import get_layer_ops
-from gpu_worker.runner.cuda_graphs import DecodeGraphRunner
-from gpu_worker.runner.device import (
-    kv_cache_bytes_per_block,
-    num_kv_blocks,
-    resolve_device,
-    resolve_dtype,
-)
+from gpu_worker.runner.device import resolve_device, resolve_dtype
+from gpu_worker.runner.kv_caches import create_kv_caches
 from gpu_worker.runner.model_runner import ModelRunner
-from gpu_worker.sampling.sampler import Sampler, SamplerOutput, SamplingRequestState
-from gpu_worker.sampling.structured import StructuredOutputs
+from gpu_worker.sampling.sampler import Sampler, SamplerOutput, new_sampler_state
+from gpu_worker.sampling.structured import RequestMatcher, StructuredOutputs
 from shared.constraints import ConstraintError
 from shared.model_card import ModelCard
-from shared.model_source import resolve_model
+from shared.model_source import ModelSource, resolve_model
+from shared.protocol import FinishReason as WireFinishReason
 from shared.protocol import Generate, RequestDelta, TokenLogprobs, WorkerStats
 from shared.sampling import SamplingParams, SamplingParamsError
 from shared.tokenizer_digest import tokenizer_digest
 
 logger = logging.getLogger(__name__)
 
-CPU_DEFAULT_KV_CACHE_GB = 1.0
+_WIRE_FINISH: dict[FinishReason, WireFinishReason] = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+}
 
 
 @dataclass
@@ -60,7 +61,13 @@ class Completion:
 
 
 class Engine:
-    """Continuous-batching engine over a paged KV cache."""
+    """Continuous-batching engine over a paged KV cache.
+
+    Ownership: the scheduler owns the live requests (`Scheduler.requests`, each a
+    `Sequence` carrying its tokens, blocks and sampler state); the runner owns the model,
+    its attention backend and the KV tensors; the sampler and structured outputs are
+    stateless across requests. Requests are validated once, here in `add_request`.
+    """
 
     def __init__(self, model: str | None = None, device: str = "auto", **engine_args: object):
         if model is not None:
@@ -69,116 +76,95 @@ class Engine:
         source = resolve_model(config.model, config.served_model_name)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        backend_name = config.attention_backend
-        if backend_name == "auto":
-            backend_name = "triton" if self.device.type == "cuda" else "torch"
+        backend_name = resolve_backend_name(config.attention_backend, self.device)
+        attn_backend = get_attention_backend(backend_name)
         started = time.perf_counter()
         self.model, self.model_config = load_model(
             source,
             self.device,
             self.dtype,
-            get_attention_backend(backend_name),
+            attn_backend,
             layer_ops=get_layer_ops(backend_name),
             gguf_kernels=config.cpu_gguf_kernels,
         )
-        mc = self.model_config
         logger.info("loaded %s in %.1fs", source.name, time.perf_counter() - started)
+        mc = self.model_config
+        self.vocab_size = mc.vocab_size
+        self.eos_token_ids = list(mc.eos_token_ids)
+        self.max_model_len = max_model_len(config, mc)
 
-        max_model_len = config.max_model_len or mc.max_position_embeddings
-        if mc.sliding_window is not None:
-            max_model_len = min(max_model_len, mc.sliding_window)
-        kv_gb = config.kv_cache_memory_gb
-        if kv_gb is None and self.device.type != "cuda":
-            kv_gb = CPU_DEFAULT_KV_CACHE_GB
-        per_block = kv_cache_bytes_per_block(
-            mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, self.dtype
-        )
-        num_blocks = num_kv_blocks(
-            self.device,
-            per_block,
-            kv_cache_memory_gb=kv_gb,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-        )
-        kv_caches = allocate_kv_caches(
-            mc.num_layers,
-            num_blocks,
-            config.block_size,
-            mc.num_kv_heads,
-            mc.head_dim,
-            self.dtype,
-            self.device,
-        )
+        kv_caches = create_kv_caches(mc, config, self.device, self.dtype)
         self.kv = KVCacheManager(
             CacheConfig(
                 block_size=config.block_size,
-                num_blocks=num_blocks,
+                num_blocks=kv_caches[0].shape[1],
                 enable_prefix_caching=config.enable_prefix_caching,
             )
         )
-        self.eos_token_ids = list(mc.eos_token_ids)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=max_model_len,
+                max_model_len=self.max_model_len,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
             ),
             self.kv,
             self.eos_token_ids,
         )
-        self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device)
-        self.runner.decode_graphs = self._decode_graphs(backend_name, kv_caches, max_model_len)
+        self.runner = ModelRunner(
+            self.model, attn_backend, kv_caches, config.block_size, self.device
+        )
+        graph_batch_size = decode_graph_batch_size(config, self.device, backend_name)
+        if graph_batch_size is not None:
+            self.runner.capture_decode_graphs(graph_batch_size, self.max_model_len)
         self.sampler = Sampler(mc.vocab_size, self.device, self.eos_token_ids)
         self.structured = StructuredOutputs(source, mc.vocab_size, self.eos_token_ids)
         self.structured.start_loading()
-        self.vocab_size = mc.vocab_size
-        self.max_model_len = max_model_len
-        self.model_card = ModelCard(
+        self.model_card = self._model_card(source)
+        self._num_steps = 0
+        self._offline_ids = itertools.count()
+
+    def _model_card(self, source: ModelSource) -> ModelCard:
+        mc = self.model_config
+        return ModelCard(
             model_id=source.name,
             tokenizer_digest=tokenizer_digest(source),
             vocab_size=mc.vocab_size,
             eos_token_ids=self.eos_token_ids,
             bos_token_id=mc.bos_token_id,
-            max_model_len=max_model_len,
-            block_size=config.block_size,
+            max_model_len=self.max_model_len,
+            block_size=self.config.block_size,
             architecture=mc.architecture,
             dtype=str(self.dtype).removeprefix("torch."),
         )
-        self._states: dict[str, SamplingRequestState] = {}
-        self._num_steps = 0
-        self._offline_ids = itertools.count()
-
-    def _decode_graphs(
-        self, backend_name: str, kv_caches: list[torch.Tensor], max_model_len: int
-    ) -> DecodeGraphRunner | None:
-        """Capture the decode graphs where they apply: CUDA, the Triton backend (the torch
-        backend plans each step on the host), and not `enforce_eager`."""
-        config = self.config
-        if self.device.type != "cuda" or backend_name != "triton" or config.enforce_eager:
-            return None
-        max_batch = config.cuda_graph_max_batch_size or min(config.max_num_seqs, 512)
-        if max_batch < 1:
-            raise ValueError(f"cuda_graph_max_batch_size must be positive, got {max_batch}")
-        graphs = DecodeGraphRunner(
-            self.model,
-            kv_caches,
-            max_batch_size=min(max_batch, config.max_num_seqs),
-            max_blocks_per_seq=-(-max_model_len // config.block_size),
-            block_size=config.block_size,
-            device=self.device,
-            capture=True,
-        )
-        graphs.capture_all()
-        return graphs
 
     # ---- the core the server drives ------------------------------------------------
 
     def add_request(self, request: Generate, request_key: str | None = None) -> None:
-        """Queue a request under `request_key`; raise RequestRejected if it cannot run."""
+        """Queue a request under `request_key`; raise RequestRejected if it cannot run.
+
+        The one place a request is checked: the scheduler and the sampler trust it after.
+        """
         key = request_key or request.request_id
-        if key in self._states:
+        matcher = self._validate(request, key)
+        seq = Sequence(
+            request_id=key,
+            prompt_token_ids=list(request.prompt_token_ids),
+            sampling=request.sampling,
+            cache_salt=request.cache_salt,
+            priority=request.priority,
+            block_size=self.config.block_size,
+            sampler_state=new_sampler_state(request.sampling, self.device, matcher),
+        )
+        self.scheduler.add(seq)
+
+    def _validate(self, request: Generate, key: str) -> RequestMatcher | None:
+        """Raise RequestRejected if the request cannot run here; return its grammar matcher
+        when it has a constraint."""
+        if key in self.scheduler.requests:
             raise RequestRejected("duplicate", f"request {request.request_id!r} is running")
-        if max(request.prompt_token_ids) >= self.vocab_size:
+        prompt = request.prompt_token_ids
+        if max(prompt, default=0) >= self.vocab_size:
             raise RequestRejected(
                 "invalid_request",
                 f"prompt_token_ids hold an id outside the vocabulary [0, {self.vocab_size})",
@@ -187,39 +173,22 @@ class Engine:
             request.sampling.validate(self.vocab_size)
         except SamplingParamsError as exc:
             raise RequestRejected("invalid_request", exc.message) from exc
-        reason = self.scheduler.check_admissible(
-            len(request.prompt_token_ids), request.sampling.max_tokens
-        )
+        reason = self.scheduler.check_admissible(len(prompt), request.sampling.max_tokens)
         if reason is not None:
-            raise RequestRejected("too_long", reason)
+            # An empty prompt is malformed rather than too long; the wire forbids it too.
+            raise RequestRejected("too_long" if prompt else "invalid_request", reason)
         if self.scheduler.num_waiting >= self.config.max_waiting:
             raise RequestRejected("queue_full", "the worker's queue is full")
-        matcher = None
-        if request.constraint is not None:  # the render tier checked it; a worker re-checks
-            try:
-                matcher = self.structured.new_matcher(request.constraint, request.prompt_token_ids)
-            except ConstraintError as exc:
-                raise RequestRejected("invalid_request", f"constraint: {exc.message}") from exc
-        seq = Sequence(
-            request_id=key,
-            prompt_token_ids=list(request.prompt_token_ids),
-            sampling=request.sampling,
-            cache_salt=request.cache_salt,
-            priority=request.priority,
-            arrival_time=request.arrival_time or time.time(),
-            block_size=self.config.block_size,
-        )
-        state = SamplingRequestState.create(request.sampling, seq.prompt_token_ids, self.device)
-        # The sampler reads penalties from the same list the scheduler appends to.
-        state.output_token_ids = seq.output_token_ids
-        state.matcher = matcher
-        self.scheduler.add(seq)
-        self._states[key] = state
+        if request.constraint is None:
+            return None
+        try:  # the render tier checked it; a worker re-checks
+            return self.structured.new_matcher(request.constraint, prompt)
+        except ConstraintError as exc:
+            raise RequestRejected("invalid_request", f"constraint: {exc.message}") from exc
 
     def abort(self, request_keys: list[str]) -> None:
         """Stop these requests and free their KV blocks now."""
-        for seq in self.scheduler.abort(request_keys):
-            self._states.pop(seq.request_id, None)
+        self.scheduler.finish_requests(request_keys, FinishReason.ABORT)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -234,8 +203,7 @@ class Engine:
         sampled: dict[str, int] = {}
         result: SamplerOutput | None = None
         if sampling_items:
-            states = [self._states[item.seq.request_id] for item in sampling_items]
-            result = self.sampler.sample(logits, states)
+            result = self.sampler.sample(logits, [item.seq for item in sampling_items])
             for item, token_id in zip(sampling_items, result.token_ids, strict=True):
                 sampled[item.seq.request_id] = token_id
         changed = self.scheduler.update(output, sampled)
@@ -244,49 +212,50 @@ class Engine:
         if not changed:
             return []
         logprobs = self._logprobs(sampling_items, result) if result is not None else {}
-        deltas: list[RequestDelta] = []
-        for seq in changed:
-            finish = seq.finish_reason.value if seq.finish_reason is not None else None
-            error = errors.get(seq.request_id)
-            deltas.append(
-                RequestDelta(
-                    request_id=seq.request_id,
-                    new_token_ids=[seq.output_token_ids[-1]],
-                    finish_reason="error" if error is not None else finish,
-                    stop_token_id=seq.stop_token_id,
-                    num_prompt_tokens=seq.num_prompt_tokens,
-                    num_cached_tokens=seq.num_cached_tokens,
-                    logprobs=logprobs.get(seq.request_id),
-                    error=error,
-                )
-            )
-            if finish is not None:
-                self._states.pop(seq.request_id, None)
-        return deltas
+        return [self._delta(seq, logprobs, errors) for seq in changed]
+
+    @staticmethod
+    def _delta(
+        seq: Sequence, logprobs: dict[str, list[TokenLogprobs]], errors: dict[str, str]
+    ) -> RequestDelta:
+        """The wire delta of a sequence that got one token this step."""
+        error = errors.get(seq.request_id)
+        finish = _WIRE_FINISH[seq.finish_reason] if seq.finish_reason is not None else None
+        return RequestDelta(
+            request_id=seq.request_id,
+            new_token_ids=[seq.output_token_ids[-1]],
+            finish_reason="error" if error is not None else finish,
+            stop_token_id=seq.stop_token_id,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            logprobs=logprobs.get(seq.request_id),
+            error=error,
+            # Only the first delta carries it: the render tier records it once per request.
+            queue_time=seq.queue_time if seq.num_output_tokens == 1 else None,
+        )
 
     def _advance_matchers(self, changed: list[Sequence]) -> dict[str, str]:
         """Feed each constrained sequence's new token to its matcher; end the ones whose
         grammar is complete with "stop". Returns the errors of matchers that failed."""
         errors: dict[str, str] = {}
         for seq in changed:
-            state = self._states.get(seq.request_id)
-            if state is None or state.matcher is None:
+            matcher = seq.sampler_state.matcher
+            if matcher is None:
                 continue
-            state.matcher.sync(seq.output_token_ids)
-            if seq.is_finished or not state.matcher.is_stopped:
+            matcher.sync(seq.output_token_ids)
+            if seq.is_finished or not matcher.is_stopped:
                 continue
-            # Only EOS could follow: stop now rather than spend a step sampling it. Abort is
-            # the scheduler's "end it and free its blocks now"; the reason is then restated.
-            self.scheduler.abort([seq.request_id])
-            seq.finish(FinishReason.STOP)
-            error = state.matcher.error
-            if error is not None:
-                logger.warning("request %s: constraint failed: %s", seq.request_id, error)
-                errors[seq.request_id] = f"constraint: {error}"[:4096]
+            # Only EOS could follow: stop now rather than spend a step sampling it.
+            self.scheduler.finish_requests([seq.request_id], FinishReason.STOP)
+            if matcher.error is not None:
+                logger.warning("request %s: constraint failed: %s", seq.request_id, matcher.error)
+                errors[seq.request_id] = f"constraint: {matcher.error}"[:4096]
         return errors
 
     @staticmethod
-    def _logprobs(items: list, result: SamplerOutput) -> dict[str, list[TokenLogprobs]]:
+    def _logprobs(
+        items: list[ScheduledSequence], result: SamplerOutput
+    ) -> dict[str, list[TokenLogprobs]]:
         if result.logprobs is None:
             return {}
         sampled = result.logprobs.tolist()
@@ -359,3 +328,26 @@ class Engine:
     @torch.inference_mode()
     def reset_prefix_cache(self) -> None:
         self.kv.reset_prefix_cache()
+
+
+def max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    """The configured limit, else the model's context; never past a sliding window (the
+    cache keeps every token, so attention past the window would differ from the model's)."""
+    limit = config.max_model_len or model_config.max_position_embeddings
+    if model_config.sliding_window is not None:
+        limit = min(limit, model_config.sliding_window)
+    return limit
+
+
+def decode_graph_batch_size(
+    config: EngineConfig, device: torch.device, backend_name: str
+) -> int | None:
+    """The largest decode batch to capture in CUDA graphs, or None for none: graphs need
+    CUDA and the Triton backend (the torch backend plans each step on the host), and
+    `enforce_eager` turns them off."""
+    if device.type != "cuda" or backend_name != "triton" or config.enforce_eager:
+        return None
+    max_batch = config.cuda_graph_max_batch_size or min(config.max_num_seqs, 512)
+    if max_batch < 1:
+        raise ValueError(f"cuda_graph_max_batch_size must be positive, got {max_batch}")
+    return min(max_batch, config.max_num_seqs)

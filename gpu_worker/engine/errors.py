@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from shared.protocol import RejectCode
+
 
 class RequestRejected(Exception):
-    """The engine will not take a request; `code` is a `shared.protocol.Rejected.code`."""
+    """The engine will not take a request; `code` is the wire's `Rejected.code`."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: RejectCode, message: str) -> None:
         super().__init__(message)
         self.code = code
         self.message = message

@@ -12,6 +12,7 @@ the FRONT of `waiting`, so nothing newer is admitted before them.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -79,7 +80,7 @@ class Scheduler:
         return bool(self.requests)
 
     def check_admissible(self, prompt_len: int, max_tokens: int) -> str | None:
-        """Why a request can never run here, or None. The server rejects it with this."""
+        """Why a request can never run here, or None. The engine rejects it with this."""
         if prompt_len < 1:
             return "prompt is empty"
         if max_tokens < 1:
@@ -97,21 +98,15 @@ class Scheduler:
         return None
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence. Raises ValueError if it is inadmissible or a duplicate."""
-        if seq.request_id in self.requests:
-            raise ValueError(f"duplicate request_id {seq.request_id!r}")
-        if seq.block_size != self.kv.block_size:
-            raise ValueError(f"sequence block_size {seq.block_size} != {self.kv.block_size}")
-        reason = self.check_admissible(seq.num_prompt_tokens, seq.sampling.max_tokens)
-        if reason is not None:
-            raise ValueError(reason)
+        """Queue a new sequence. The engine validated it (`check_admissible`, unique id)."""
         seq.status = SequenceStatus.WAITING
         self.requests[seq.request_id] = seq
         self.waiting.append(seq)
 
-    def abort(self, request_ids: Iterable[str]) -> list[Sequence]:
-        """Finish these with "abort" and free their blocks now; unknown ids are skipped."""
-        aborted: list[Sequence] = []
+    def finish_requests(self, request_ids: Iterable[str], reason: FinishReason) -> list[Sequence]:
+        """End these with `reason` and free their blocks now (an abort, or a grammar that
+        completed); unknown or already finished ids are skipped."""
+        finished: list[Sequence] = []
         for request_id in request_ids:
             seq = self.requests.get(request_id)
             if seq is None:
@@ -120,10 +115,10 @@ class Scheduler:
                 self.running.remove(seq)
             else:
                 self.waiting.remove(seq)
-            seq.finish(FinishReason.ABORT)
+            seq.finish(reason)
             self._release(seq)
-            aborted.append(seq)
-        return aborted
+            finished.append(seq)
+        return finished
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch. Sequences' progress advances in `update`, not here."""
@@ -159,8 +154,9 @@ class Scheduler:
             if not self.kv.allocate_slots(seq, num_new, cached_blocks):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
-            if seq.status == SequenceStatus.WAITING:
+            if seq.status == SequenceStatus.WAITING:  # its first step, not a recompute
                 seq.num_cached_tokens = num_cached
+                seq.first_scheduled_time = time.monotonic()
             seq.num_computed_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

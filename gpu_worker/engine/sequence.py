@@ -11,6 +11,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from gpu_worker.sampling.state import SamplerState
 from shared.hashing import BlockHash, hash_block, prefix_block_hashes, root_hash
 from shared.sampling import SamplingParams
 
@@ -53,9 +54,13 @@ class Sequence:
     """Per-tenant salt mixed into the block hashes, so tenants never share cached blocks."""
     priority: int = 0
     """Carried from the request; the FCFS scheduler does not reorder by it yet."""
-    arrival_time: float = field(default_factory=time.time)
+    arrival_time: float = field(default_factory=time.monotonic)
+    """When the worker took the request (`time.monotonic`, the worker's own clock)."""
     block_size: int = 16
     """Must equal the KV cache's block size: it decides which blocks get hashed."""
+    sampler_state: SamplerState = field(default_factory=SamplerState, repr=False)
+    """The sampler's own state for this request (seeded generator, prompt mask, grammar
+    matcher); the sampler reads the params and tokens from the sequence itself."""
 
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
@@ -63,6 +68,8 @@ class Sequence:
     num_cached_tokens: int = 0
     """Prompt tokens found in the prefix cache when first scheduled (reported to clients)."""
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    """When the scheduler first gave it a step (`time.monotonic`); None while it waits."""
     block_table: list[int] = field(default_factory=list)
     """Block ids holding this sequence's KV, in token order."""
     finish_reason: FinishReason | None = None
@@ -100,6 +107,13 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds between arrival and the first step; None until it is scheduled."""
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
 
     def append_token(self, token_id: int) -> None:
         """Add one generated token; hash the last block if this token filled it."""

@@ -6,11 +6,10 @@ the loader picks the class from `ModelConfig.architecture`.
 
 from __future__ import annotations
 
-from torch import nn
-
+from gpu_worker.models.base import CausalLM
 from gpu_worker.models.llama import LlamaForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
@@ -20,7 +19,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
-def get_model_class(architecture: str) -> type[nn.Module]:
+def get_model_class(architecture: str) -> type[CausalLM]:
     """The class that serves `architecture`, or a ValueError naming the supported ones."""
     try:
         return MODEL_REGISTRY[architecture]
@@ -29,4 +28,4 @@ def get_model_class(architecture: str) -> type[nn.Module]:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {known}") from None
 
 
-__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "get_model_class"]
+__all__ = ["MODEL_REGISTRY", "CausalLM", "LlamaForCausalLM", "get_model_class"]

@@ -2,23 +2,33 @@
 
 Plain torch over a flattened batch: `forward` takes every scheduled token of the step in one
 1-D tensor, and attention goes through an `AttentionBackend` over the paged KV cache. Q/K/V and
-gate/up are fused into one matmul each when the weights are loaded.
+gate/up are fused into one matmul each when the weights are loaded (`stacked_params`). The
+elementwise ops are `LayerOps` (torch or Triton); the projections' fast paths (prepacked
+bf16, GGUF blocks) are `gpu_worker.ops.linear`'s.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.attention.torch_backend import AttentionBackend, AttentionMetadata
+from gpu_worker.attention.backend import AttentionBackend
+from gpu_worker.attention.metadata import AttentionMetadata
+from gpu_worker.models.base import CausalLM
 from gpu_worker.models.config import ModelConfig
+from gpu_worker.models.weights import load_stacked_weights
 from gpu_worker.ops.gguf_linear import QuantizedWeight
 from gpu_worker.ops.layer_ops import LayerOps, RotaryTables, TorchLayerOps
+from gpu_worker.ops.linear import (
+    Linear,
+    LogitsHead,
+    StackedParams,
+    attach_quantized,
+    prepack_linears,
+)
 
 
 class RMSNorm(nn.Module):
@@ -40,48 +50,6 @@ class RMSNorm(nn.Module):
         """`residual + x`, normed: returns `(norm(residual + x), residual + x)` in one pass
         where the ops fuse it."""
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
-
-
-class Linear(nn.Linear):
-    """nn.Linear that runs on a weight prepacked for oneDNN where `prepack` made one.
-
-    On CPU, a bf16 `F.linear` reorders the whole weight into oneDNN's blocked layout on
-    every call, which costs about as much as the matmul at decode sizes. Packing once at
-    load gives the same results bit for bit, 1.4-1.7x faster from 1 to 2048 rows on an
-    AMX Xeon, for a second copy of the weights. fp32 stays on MKL's sgemm: packing there
-    was slower for single tokens and large prefills. fp32 decode-sized batches run on the
-    GGUF blocks in `quantized` where the loader kept them.
-    """
-
-    packed_weight: torch.Tensor | None = None
-    quantized: QuantizedWeight | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None and self.quantized.accepts(x):
-            return self.quantized.linear(x, self.bias)
-        if self.packed_weight is None:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-
-
-def prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's packed copy of a bf16 [out, in] weight on CPU; None for other devices and
-    dtypes, and where this build of torch or this CPU cannot run it (callers then keep
-    plain `F.linear`)."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
-        return None
-    try:
-        if not (
-            torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        ):
-            return None
-        # The batch size only hints the blocking; measured faster from 1 to 2048 rows.
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
-        probe = weight.new_zeros((1, weight.shape[1]))
-        torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
-        return packed
-    except (RuntimeError, AttributeError):  # an op missing or refused on this build
-        return None
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -228,25 +196,13 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
 
-# HF checkpoint name -> (our fused parameter, which shard of it).
-_STACKED: dict[str, tuple[str, int]] = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-_STACKED_RE = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
-
-
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """Causal LM head over `LlamaModel`; serves every architecture in the Llama family."""
 
     def __init__(
         self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps | None = None
     ) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config, backend, ops)
         self.ops = ops = ops or TorchLayerOps()
         self.model = LlamaModel(config, backend, ops)
         self.rotary = RotaryEmbedding(config)
@@ -254,43 +210,21 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self._packed_head: torch.Tensor | None = None
-        self._quantized_head: QuantizedWeight | None = None
+        self.logits_head = LogitsHead()
 
-    def build_caches(self, device: torch.device) -> None:
-        """Compute the derived state once the weights sit on `device`: rotary tables and,
-        where it pays (`prepack`), packed copies of the projection and LM head weights.
-        Call it again after changing any weight; that also drops the quantized copies,
-        which cannot follow the change."""
-        self.rotary.build(device)
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.packed_weight = prepack(module.weight.detach())
-                module.quantized = None
-        self._packed_head = prepack(self._head_weight().detach())
-        self._quantized_head = None
+    def stacked_params(self) -> StackedParams:
+        """HF projection name -> (our fused projection, its rows there)."""
+        c = self.config
+        q, kv, inner = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+        return {
+            "q_proj": ("qkv_proj", 0, q),
+            "k_proj": ("qkv_proj", q, q + kv),
+            "v_proj": ("qkv_proj", q + kv, q + 2 * kv),
+            "gate_proj": ("gate_up_proj", 0, inner),
+            "up_proj": ("gate_up_proj", inner, 2 * inner),
+        }
 
-    def attach_quantized(self, weights: Mapping[str, QuantizedWeight]) -> None:
-        """Give the projections and the LM head the GGUF blocks of their weights (HF names,
-        rows as in the dense weights), fused in `_shard_range` order; a layer with any part
-        missing or of another type stays dense."""
-        for name, module in self.named_modules():
-            if not isinstance(module, Linear):
-                continue
-            prefix, _, fused = name.rpartition(".")
-            shards = sorted((s, part) for part, (f, s) in _STACKED.items() if f == fused)
-            parts = [weights.get(f"{prefix}.{part}.weight") for _, part in shards or [(0, fused)]]
-            if any(p is None for p in parts):
-                continue
-            quantized = QuantizedWeight.cat(parts)  # type: ignore[arg-type]
-            if quantized is not None and (quantized.n, quantized.k) == module.weight.shape:
-                module.quantized = quantized
-        tied = self.lm_head is None
-        head = weights.get("model.embed_tokens.weight" if tied else "lm_head.weight")
-        if head is not None and (head.n, head.k) == self._head_weight().shape:
-            self._quantized_head = head
-
-    def _head_weight(self) -> torch.Tensor:
+    def head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(
@@ -312,60 +246,33 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states at the sampled positions [n, hidden] -> fp32 logits [n, vocab]."""
-        if self._quantized_head is not None and self._quantized_head.accepts(hidden):
-            return self._quantized_head.linear(hidden)
-        if self._packed_head is not None:
-            logits = torch.ops.mkldnn._linear_pointwise(
-                hidden, self._packed_head, None, "none", [], ""
-            )
-            return logits.float()
-        return F.linear(hidden, self._head_weight()).float()
+        return self.logits_head(hidden, self.head_weight())
 
-    def _shard_range(self, fused: str, shard: int) -> tuple[int, int]:
-        c = self.config
-        if fused == "gate_up_proj":
-            return shard * c.intermediate_size, (shard + 1) * c.intermediate_size
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        start = [0, q_size, q_size + kv_size][shard]
-        return start, start + (q_size if shard == 0 else kv_size)
+    # ---- after loading ---------------------------------------------------------------
 
-    @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the parameters, fusing q/k/v and gate/up; every
         parameter must be written exactly once."""
-        params = dict(self.named_parameters())
-        written: set[str] = set()
-        for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq"):
-                continue  # old checkpoints store it; we compute our own
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # some tied checkpoints still carry a copy
-            match = _STACKED_RE.search(name)
-            if match is None:
-                if name not in params:
-                    raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
-                _copy(params[name], tensor, name)
-                written.add(name)
-                continue
-            fused, shard = _STACKED[match.group(1)]
-            target = name.replace(match.group(1), fused)
-            start, end = self._shard_range(fused, shard)
-            _copy(params[target][start:end], tensor, name)
-            written.add(f"{target}#{shard}")
-        expected = set()
-        for pname in params:
-            if ".qkv_proj." in pname:
-                expected.update(f"{pname}#{i}" for i in range(3))
-            elif ".gate_up_proj." in pname:
-                expected.update(f"{pname}#{i}" for i in range(2))
-            else:
-                expected.add(pname)
-        missing = sorted(expected - written)
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}")
 
+        def skip(name: str) -> bool:
+            # Old checkpoints store inv_freq (we compute our own); some tied ones still
+            # carry a copy of the head.
+            tied_copy = name == "lm_head.weight" and self.lm_head is None
+            return name.endswith("rotary_emb.inv_freq") or tied_copy
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if dst.shape != src.shape:
-        raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)}, model {tuple(dst.shape)}")
-    dst.copy_(src)
+        load_stacked_weights(self, weights, self.stacked_params(), skip)
+
+    def build_caches(self, device: torch.device) -> None:
+        """Compute the derived state once the weights sit on `device`: rotary tables and the
+        projections' fast copies (`gpu_worker.ops.linear`). Call it again after changing
+        any weight; that also drops the quantized copies, which cannot follow the change."""
+        self.rotary.build(device)
+        prepack_linears(self)
+        self.logits_head.prepack(self.head_weight())
+
+    def attach_quantized(self, weights: Mapping[str, QuantizedWeight]) -> None:
+        """Give the projections and the LM head the GGUF blocks of their weights (HF names,
+        rows as in the dense weights)."""
+        attach_quantized(self, weights, self.stacked_params())
+        head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
+        self.logits_head.attach(weights.get(head_name), self.head_weight())

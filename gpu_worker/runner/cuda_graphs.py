@@ -27,9 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from gpu_worker.attention.torch_backend import AttentionMetadata
+from gpu_worker.attention.backend import AttentionBackend
+from gpu_worker.attention.metadata import AttentionMetadata
+from gpu_worker.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,8 @@ class DecodeGraphRunner:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: CausalLM,
+        attn_backend: AttentionBackend,
         kv_caches: list[torch.Tensor],
         *,
         max_batch_size: int,
@@ -75,6 +77,7 @@ class DecodeGraphRunner:
         if capture and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device; use capture=False elsewhere")
         self.model = model
+        self.attn_backend = attn_backend
         self.kv_caches = kv_caches
         self.device = device
         self.capture = capture
@@ -95,7 +98,6 @@ class DecodeGraphRunner:
         # One query per sequence, always: query_start_loc is 0..n and never changes.
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self._graphs: dict[int, _Graph] = {}
-        self._pool: object | None = None
 
     def can_run(self, meta: AttentionMetadata) -> bool:
         """Whether this step can replay a graph: pure decode, few enough sequences, and
@@ -124,15 +126,14 @@ class DecodeGraphRunner:
             return
         started = time.perf_counter()
         self._fill_warmup_contexts()
+        pool = torch.cuda.graph_pool_handle()
         for bucket in reversed(self.buckets):
             forward = self._forward_for(bucket)
             for _ in range(2):
                 forward()
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=pool):
                 output = forward()
             torch.cuda.synchronize(self.device)
             self._graphs[bucket] = _Graph(replay=graph.replay, output=output)
@@ -212,6 +213,9 @@ class DecodeGraphRunner:
 
         @torch.inference_mode()
         def forward() -> torch.Tensor:
+            # Host work only (none for Triton's kernels), so a captured graph holds nothing
+            # of it; eager runs (`capture=False`) plan every step, like the model runner.
+            self.attn_backend.plan(meta, self.kv_caches[0])
             return self.model(input_ids, positions, meta, self.kv_caches)
 
         return forward

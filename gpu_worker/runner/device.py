@@ -1,4 +1,4 @@
-"""Device detection, NVML readings and KV cache sizing.
+"""Device detection and NVML readings (KV cache sizing is `gpu_worker.runner.kv_caches`).
 
 NVML is optional: on CPU nodes (and GPUs without the driver library) every reading is
 None and nothing is logged beyond one debug line.
@@ -84,34 +84,3 @@ class Nvml:
             memory_free_bytes=int(memory.free),
             utilization=float(rates.gpu) / 100.0,
         )
-
-
-def kv_cache_bytes_per_block(
-    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-) -> int:
-    """K and V for every layer of one block."""
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * element
-
-
-def num_kv_blocks(
-    device: torch.device,
-    bytes_per_block: int,
-    *,
-    kv_cache_memory_gb: float | None,
-    gpu_memory_utilization: float,
-) -> int:
-    """How many KV blocks fit: an explicit budget, or on CUDA the free memory after the
-    weights, kept under `gpu_memory_utilization` of the total."""
-    if kv_cache_memory_gb is not None:
-        return max(1, int(kv_cache_memory_gb * (1 << 30)) // bytes_per_block)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        budget = int(total * gpu_memory_utilization) - used
-        # Leave room for activations of the largest batch.
-        budget -= 1 << 30
-        if budget <= 0:
-            raise RuntimeError("no GPU memory left for the KV cache; lower the model size")
-        return max(1, budget // bytes_per_block)
-    return max(1, (4 << 30) // bytes_per_block)

@@ -14,38 +14,41 @@ tensor, so the only host<->device sync is the final `.tolist()` of the sampled i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
+from gpu_worker.sampling.state import SamplerState
 from gpu_worker.sampling.structured import GrammarMasker, RequestMatcher
 from shared.sampling import SamplingParams
 
 
-@dataclass
-class SamplingRequestState:
-    """One sequence's sampling inputs, kept by the engine across steps."""
+class SamplingRequest(Protocol):
+    """One row of a step as the sampler reads it: the request's params and tokens (the
+    engine's `Sequence` owns them) and the sampler's own state for it."""
 
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    """The engine appends each sampled token to this same list."""
-    generator: torch.Generator | None = None
-    """Made once from params.seed on the sampling device; None for unseeded requests."""
-    prompt_mask: torch.Tensor | None = field(default=None, repr=False)
-    """[vocab] bool of prompt tokens, built on first use by the repetition penalty."""
-    matcher: RequestMatcher | None = field(default=None, repr=False)
-    """The structured-output matcher of a constrained request; None for free ones."""
+    @property
+    def sampling(self) -> SamplingParams: ...
 
-    @classmethod
-    def create(
-        cls, params: SamplingParams, prompt_token_ids: list[int], device: torch.device
-    ) -> SamplingRequestState:
-        """New state with its generator seeded from params.seed on `device`."""
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(params.seed)
-        return cls(params, prompt_token_ids, [], generator)
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+    @property
+    def sampler_state(self) -> SamplerState: ...
+
+
+def new_sampler_state(
+    params: SamplingParams, device: torch.device, matcher: RequestMatcher | None = None
+) -> SamplerState:
+    """A request's state, its generator seeded from params.seed on `device`."""
+    generator = None
+    if params.seed is not None:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(params.seed)
+    return SamplerState(generator=generator, matcher=matcher)
 
 
 @dataclass
@@ -74,18 +77,20 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self.grammar = GrammarMasker(vocab_size, self.device, self.eos_token_ids)
 
-    def sample(self, logits: torch.Tensor, states: list[SamplingRequestState]) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, states: list[SamplingRequest]) -> SamplerOutput:
         """Sample one token per row of `logits` ([n, >= vocab_size]) for `states[row]`."""
         # Columns past vocab_size are padding of the embedding table, never real tokens.
         logits = logits[:, : self.vocab_size]
-        params = [s.params for s in states]
+        params = [s.sampling for s in states]
         num_top = [p.logprobs or 0 for p in params]
         wants_logprobs = any(p.logprobs is not None for p in params)
         bans = self._min_tokens_bans(states)
         uses_penalty = any(_has_penalty(p) for p in params)
         uses_bias = any(p.logit_bias for p in params)
         constrained = [
-            row for row, s in enumerate(states) if s.matcher is not None and s.matcher.is_active
+            row
+            for row, s in enumerate(states)
+            if (m := s.sampler_state.matcher) is not None and m.is_active
         ]
         if all(p.is_greedy for p in params) and not (
             wants_logprobs or bans or uses_penalty or uses_bias or constrained
@@ -96,7 +101,7 @@ class Sampler:
         x = logits.to(torch.float32, copy=True)
         if constrained:
             # First, so every later step (bias, penalties, top-k/p) sees only allowed tokens.
-            matchers = [states[row].matcher for row in constrained]
+            matchers = [states[row].sampler_state.matcher for row in constrained]
             self.grammar.apply(x, constrained, matchers)  # type: ignore[arg-type]
         if uses_bias:
             self._apply_logit_bias(x, params)
@@ -129,12 +134,12 @@ class Sampler:
             return host.pin_memory().to(self.device, non_blocking=True)
         return host.to(self.device)
 
-    def _min_tokens_bans(self, states: list[SamplingRequestState]) -> list[tuple[int, int]]:
+    def _min_tokens_bans(self, states: list[SamplingRequest]) -> list[tuple[int, int]]:
         """(row, token) pairs to mask: EOS and stop ids of rows still short of min_tokens."""
         bans: list[tuple[int, int]] = []
         for row, s in enumerate(states):
-            if len(s.output_token_ids) < s.params.min_tokens:
-                banned = set(self.eos_token_ids) | set(s.params.stop_token_ids)
+            if len(s.output_token_ids) < s.sampling.min_tokens:
+                banned = set(self.eos_token_ids) | set(s.sampling.stop_token_ids)
                 bans.extend((row, t) for t in sorted(banned) if t < self.vocab_size)
         return bans
 
@@ -152,13 +157,13 @@ class Sampler:
             index = (self._upload(rows, torch.long), self._upload(cols, torch.long))
             x.index_put_(index, self._upload(vals, torch.float32), accumulate=True)
 
-    def _apply_penalties(self, x: torch.Tensor, states: list[SamplingRequestState]) -> None:
+    def _apply_penalties(self, x: torch.Tensor, states: list[SamplingRequest]) -> None:
         """Repetition (HF, prompt + output), then frequency and presence (OpenAI, output)."""
         n, vocab = x.shape
         rows: list[int] = []
         cols: list[int] = []
         for row, s in enumerate(states):
-            if _has_penalty(s.params):
+            if _has_penalty(s.sampling):
                 rows.extend([row] * len(s.output_token_ids))
                 cols.extend(s.output_token_ids)
         counts = torch.zeros(n, vocab, dtype=torch.float32, device=x.device)
@@ -167,12 +172,12 @@ class Sampler:
             counts.index_put_(index, torch.ones(len(rows), device=x.device), accumulate=True)
         in_output = counts > 0
 
-        rep = [s.params.repetition_penalty for s in states]
+        rep = [s.sampling.repetition_penalty for s in states]
         if any(r != 1.0 for r in rep):
             none_seen = torch.zeros(vocab, dtype=torch.bool, device=x.device)
             prompt_seen = torch.stack(
                 [
-                    self._prompt_mask(s) if s.params.repetition_penalty != 1.0 else none_seen
+                    self._prompt_mask(s) if s.sampling.repetition_penalty != 1.0 else none_seen
                     for s in states
                 ]
             )
@@ -180,24 +185,25 @@ class Sampler:
             penalty = self._upload(rep, torch.float32)[:, None].expand(n, vocab)
             penalized = torch.where(x > 0, x / penalty, x * penalty)
             x.copy_(torch.where(seen, penalized, x))
-        freq = self._upload([s.params.frequency_penalty for s in states], torch.float32)
-        presence = self._upload([s.params.presence_penalty for s in states], torch.float32)
+        freq = self._upload([s.sampling.frequency_penalty for s in states], torch.float32)
+        presence = self._upload([s.sampling.presence_penalty for s in states], torch.float32)
         x.sub_(freq[:, None] * counts + presence[:, None] * in_output)
 
-    def _prompt_mask(self, state: SamplingRequestState) -> torch.Tensor:
+    def _prompt_mask(self, request: SamplingRequest) -> torch.Tensor:
         # Cached: a prompt never changes, and re-uploading it every step would cost
         # O(prompt length) per row per step.
+        state = request.sampler_state
         if state.prompt_mask is None:
             mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
-            ids = [t for t in state.prompt_token_ids if 0 <= t < self.vocab_size]
+            ids = [t for t in request.prompt_token_ids if 0 <= t < self.vocab_size]
             if ids:
                 mask[self._upload(ids, torch.long)] = True
             state.prompt_mask = mask
         return state.prompt_mask
 
-    def _sample_random(self, x: torch.Tensor, states: list[SamplingRequestState]) -> torch.Tensor:
+    def _sample_random(self, x: torch.Tensor, states: list[SamplingRequest]) -> torch.Tensor:
         """Temperature, min-p, top-k, top-p, then one exponential-race draw per row."""
-        params = [s.params for s in states]
+        params = [s.sampling for s in states]
         # Greedy rows get temperature 1 to stay finite; the caller overrides their pick.
         temps = [p.temperature if not p.is_greedy else 1.0 for p in params]
         x = x / self._upload(temps, torch.float32)[:, None]
@@ -234,13 +240,14 @@ class Sampler:
         probs = torch.softmax(x, dim=-1)
         # Ones, not empty: rows that draw nothing (greedy) must not hold NaN garbage.
         q = torch.ones_like(probs)
-        if any(s.generator is None and not s.params.is_greedy for s in states):
+        generators = [s.sampler_state.generator for s in states]
+        if any(g is None and not p.is_greedy for g, p in zip(generators, params, strict=True)):
             _exponential_(q)
-        for row, s in enumerate(states):
-            if s.generator is not None and not s.params.is_greedy:
+        for row, (generator, p) in enumerate(zip(generators, params, strict=True)):
+            if generator is not None and not p.is_greedy:
                 # Drawn on its own tensor, the same shape every step, so the values depend
                 # only on the generator's state, never on the row index or batch size.
-                q[row] = _exponential_(torch.empty(x.shape[1], device=x.device), s.generator)
+                q[row] = _exponential_(torch.empty(x.shape[1], device=x.device), generator)
         # q == 0 would turn a masked token's 0 / 0 into NaN, which argmax picks.
         q.clamp_min_(torch.finfo(torch.float32).tiny)
         return _argmax_rows(probs / q)

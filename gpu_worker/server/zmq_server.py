@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore(Protocol):
-    """What the server needs from the engine (gpu_worker.engine.engine.LLMEngine provides it)."""
+    """What the server needs from the engine (`gpu_worker.engine.engine.Engine` provides it)."""
 
     model_card: ModelCard
 
@@ -399,12 +399,12 @@ class WorkerServer:
 
     def _add(self, client: _Client, request: Generate) -> None:
         key = self._key(client, request.request_id)
-        if key in self._owners:
-            self.counters.duplicates += 1  # a retried Generate runs once
-            return
         try:
-            self.engine.add_request(request, key)
+            self.engine.add_request(request, key)  # the one check of a request, duplicates too
         except RequestRejected as exc:
+            if exc.code == "duplicate":
+                self.counters.duplicates += 1  # a retried Generate runs once, unanswered
+                return
             self.counters.rejected += 1
             self._reject(client.identity, request.request_id, exc.code, exc.message)
             return

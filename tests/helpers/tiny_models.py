@@ -11,14 +11,16 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import transformers
 from torch import nn
 
-from gpu_worker.attention.torch_backend import AttentionMetadata, allocate_kv_caches
+from gpu_worker.attention.backend import AttentionBackend
+from gpu_worker.attention.metadata import build_attention_metadata
 from gpu_worker.models.config import ModelConfig
+from gpu_worker.runner.kv_caches import allocate_kv_caches
 
 Family = Literal["llama", "qwen2", "mistral"]
 
@@ -109,6 +111,8 @@ class PagedRunner:
         seed: int = 0,
     ) -> None:
         self.model = model
+        # The instance the model's layers call: it keeps the plan of each step.
+        self.attn_backend = cast(AttentionBackend, model.attn_backend)
         self.block_size = block_size
         dtype = next(model.parameters()).dtype
         device = next(model.parameters()).device
@@ -135,7 +139,8 @@ class PagedRunner:
             ids.extend(tokens)
             positions.extend(range(state.num_computed_tokens, total))
         device = self.kv_caches[0].device
-        meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, device)
+        meta = build_attention_metadata(query_lens, context_lens, tables, self.block_size, device)
+        self.attn_backend.plan(meta, self.kv_caches[0])
         hidden = self.model(
             torch.tensor(ids, device=device),
             torch.tensor(positions, device=device),

@@ -19,7 +19,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from gpu_worker.attention.torch_backend import AttentionMetadata  # noqa: E402
+from gpu_worker.attention.metadata import (  # noqa: E402
+    AttentionMetadata,
+    build_attention_metadata,
+)
 
 ON_CUDA = torch.cuda.is_available()
 
@@ -92,7 +95,7 @@ def make_paged_batch(device: torch.device) -> Callable[..., PagedBatch]:
             used += n
         shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
         kv_cache = torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
-        meta = AttentionMetadata.build(query_lens, context_lens, tables, block_size, device)
+        meta = build_attention_metadata(query_lens, context_lens, tables, block_size, device)
         return kv_cache, meta
 
     return build

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from gpu_worker import Engine
-from gpu_worker.attention.torch_backend import AttentionMetadata, allocate_kv_caches
+from gpu_worker.attention.metadata import build_attention_metadata
 from gpu_worker.attention.triton_backend import TritonAttentionBackend
 from gpu_worker.loader import load_model
 from gpu_worker.runner.cuda_graphs import DecodeGraphRunner, batch_size_buckets
+from gpu_worker.runner.kv_caches import allocate_kv_caches
 from shared.model_source import resolve_model
 from shared.sampling import SamplingParams
 
@@ -64,6 +65,7 @@ def _runner(
 ) -> DecodeGraphRunner:
     return DecodeGraphRunner(
         model,
+        model.attn_backend,
         caches,
         max_batch_size=max_batch_size,
         max_blocks_per_seq=max_blocks_per_seq,
@@ -83,17 +85,18 @@ def test_padding_rows_leave_the_cache_alone_and_match_eager(tiny_model_dir: Path
     tables = [[3, 7], [1], [10, 2, 5]]
     context_lens = [20, 9, 40]
     # A step of 5 rows first leaves stale rows 3..4 behind in the static buffers.
-    first = AttentionMetadata.build([1] * 5, [1, 2, 3, 4, 5], [[0]] * 5, BLOCK_SIZE)
+    first = build_attention_metadata([1] * 5, [1, 2, 3, 4, 5], [[0]] * 5, BLOCK_SIZE)
     first.slot_mapping.fill_(-1)  # write nothing, only occupy the buffers
     runner.run(torch.arange(5), torch.arange(5), first)
     before = [c.clone() for c in caches]
 
-    meta = AttentionMetadata.build([1, 1, 1], context_lens, tables, BLOCK_SIZE)
+    meta = build_attention_metadata([1, 1, 1], context_lens, tables, BLOCK_SIZE)
     ids, positions = torch.tensor([5, 17, 200]), torch.tensor(context_lens)
     assert runner.bucket_for(3) == 4
     assert runner.can_run(meta)
     hidden = runner.run(ids, positions, meta)
-    eager_meta = AttentionMetadata.build([1, 1, 1], context_lens, tables, BLOCK_SIZE)
+    eager_meta = build_attention_metadata([1, 1, 1], context_lens, tables, BLOCK_SIZE)
+    model.attn_backend.plan(eager_meta, eager_caches[0])
     with torch.inference_mode():
         expected = model(ids, positions, eager_meta, eager_caches)
     torch.testing.assert_close(hidden, expected, atol=1e-5, rtol=1e-5)
@@ -108,12 +111,12 @@ def test_padding_rows_leave_the_cache_alone_and_match_eager(tiny_model_dir: Path
 def test_steps_too_big_or_not_pure_decode_run_eagerly(tiny_model_dir: Path) -> None:
     model, caches = _model_and_caches(tiny_model_dir, num_blocks=8)
     runner = _runner(model, caches, 2, 2)
-    assert not runner.can_run(AttentionMetadata.build([1] * 3, [1, 1, 1], [[0]] * 3, BLOCK_SIZE))
-    assert not runner.can_run(AttentionMetadata.build([4], [0], [[0]], BLOCK_SIZE))
-    assert not runner.can_run(AttentionMetadata.build([1], [40], [[0, 1, 2]], BLOCK_SIZE))
+    assert not runner.can_run(build_attention_metadata([1] * 3, [1, 1, 1], [[0]] * 3, BLOCK_SIZE))
+    assert not runner.can_run(build_attention_metadata([4], [0], [[0]], BLOCK_SIZE))
+    assert not runner.can_run(build_attention_metadata([1], [40], [[0, 1, 2]], BLOCK_SIZE))
     with pytest.raises(ValueError, match="no decode graph fits"):
         runner.run(torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64),
-                   AttentionMetadata.build([1] * 3, [1, 1, 1], [[0]] * 3, BLOCK_SIZE))  # fmt: skip
+                   build_attention_metadata([1] * 3, [1, 1, 1], [[0]] * 3, BLOCK_SIZE))  # fmt: skip
     with pytest.raises(ValueError, match="CUDA"):
         _runner(model, caches, 2, 2, capture=True)
 

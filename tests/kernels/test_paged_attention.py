@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.attention.torch_backend import AttentionMetadata, TorchAttentionBackend
+from gpu_worker.attention.metadata import build_attention_metadata
+from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from kernels.cache_ops import write_kv_cache
 from kernels.paged_attention import (
     choose_num_splits,
@@ -69,7 +70,9 @@ def test_decode_matches_torch_backend(make_paged_batch, device, dtype):
     k_new = random_tensor(len(seq_lens), NUM_KV_HEADS, head_dim, dtype=dtype, device=device, seed=2)
     v_new = random_tensor(len(seq_lens), NUM_KV_HEADS, head_dim, dtype=dtype, device=device, seed=3)
     ref_cache = kv_cache.clone()
-    expected = TorchAttentionBackend().forward(q, k_new, v_new, ref_cache, meta, 0.125)
+    backend = TorchAttentionBackend()
+    backend.plan(meta, ref_cache)
+    expected = backend.forward(q, k_new, v_new, ref_cache, meta, 0.125)
 
     write_kv_cache(k_new, v_new, kv_cache, meta.slot_mapping)
     out = paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, 0.125)
@@ -126,7 +129,7 @@ def test_decode_full_size_bf16(cuda_device):
     blocks = [-(-n // 16) for n in seq_lens]
     order = torch.randperm(sum(blocks), generator=gen).tolist()
     tables = [order[sum(blocks[:i]) : sum(blocks[: i + 1])] for i in range(num_seqs)]
-    meta = AttentionMetadata.build(
+    meta = build_attention_metadata(
         [1] * num_seqs, [n - 1 for n in seq_lens], tables, 16, cuda_device
     )
     kv_cache = torch.randn(2, sum(blocks), 16, num_kv_heads, head_dim, device=cuda_device)

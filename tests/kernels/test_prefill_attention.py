@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.attention.torch_backend import AttentionMetadata, TorchAttentionBackend
+from gpu_worker.attention.metadata import AttentionMetadata, build_attention_metadata
+from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from kernels.cache_ops import write_kv_cache
 from kernels.prefill_attention import (
     choose_block_m,
@@ -89,7 +90,9 @@ def test_prefill_matches_torch_backend(make_paged_batch, device, dtype):
     k_new = random_tensor(num_tokens, NUM_KV_HEADS, head_dim, dtype=dtype, device=device, seed=2)
     v_new = random_tensor(num_tokens, NUM_KV_HEADS, head_dim, dtype=dtype, device=device, seed=3)
     ref_cache = kv_cache.clone()
-    expected = TorchAttentionBackend().forward(q, k_new, v_new, ref_cache, meta, 0.125)
+    backend = TorchAttentionBackend()
+    backend.plan(meta, ref_cache)
+    expected = backend.forward(q, k_new, v_new, ref_cache, meta, 0.125)
 
     write_kv_cache(k_new, v_new, kv_cache, meta.slot_mapping)
     out = _run(q, kv_cache, meta, 0.125)
@@ -137,7 +140,7 @@ def test_prefill_full_size_bf16(cuda_device):
     gen = torch.Generator().manual_seed(0)
     order = torch.randperm(sum(blocks), generator=gen).tolist()
     tables = [order[sum(blocks[:i]) : sum(blocks[: i + 1])] for i in range(len(blocks))]
-    meta = AttentionMetadata.build(query_lens, context_lens, tables, 16, cuda_device)
+    meta = build_attention_metadata(query_lens, context_lens, tables, 16, cuda_device)
     kv_cache = torch.randn(2, sum(blocks), 16, num_kv_heads, head_dim, device=cuda_device)
     kv_cache = kv_cache.to(dtype)
     q = torch.randn(sum(query_lens), 32, head_dim, device=cuda_device, dtype=dtype)

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.attention.torch_backend import (
-    AttentionMetadata,
-    TorchAttentionBackend,
-    allocate_kv_caches,
-)
+from gpu_worker.attention.metadata import build_attention_metadata
+from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from gpu_worker.attention.triton_backend import TritonAttentionBackend
+from gpu_worker.runner.kv_caches import allocate_kv_caches
 
 
 def test_mixed_batch_matches_the_torch_backend() -> None:
@@ -18,7 +16,7 @@ def test_mixed_batch_matches_the_torch_backend() -> None:
     # one prefill chunk over a cached prefix, one fresh prefill, two decodes
     query_lens, context_lens = [5, 17, 1, 1], [20, 0, 33, 7]
     tables = [[0, 1], [2, 3], [4, 5, 6], [7]]
-    meta = AttentionMetadata.build(query_lens, context_lens, tables, block_size)
+    meta = build_attention_metadata(query_lens, context_lens, tables, block_size)
     tokens = sum(query_lens)
     q = torch.randn(tokens, num_heads, head_dim)
     k = torch.randn(tokens, num_kv_heads, head_dim)
@@ -28,6 +26,7 @@ def test_mixed_batch_matches_the_torch_backend() -> None:
         torch.manual_seed(1)
         [cache] = allocate_kv_caches(1, 8, block_size, num_kv_heads, head_dim, torch.float32, "cpu")
         cache.normal_()  # the cached prefixes
+        backend.plan(meta, cache)
         outputs.append(backend.forward(q, k, v, cache, meta, head_dim**-0.5))
     torch.testing.assert_close(outputs[1], outputs[0], atol=2e-5, rtol=2e-5)
 
@@ -36,7 +35,7 @@ def test_pure_decode_batch_matches_the_torch_backend() -> None:
     torch.manual_seed(2)
     num_heads, num_kv_heads, head_dim, block_size = 8, 8, 64, 16
     context_lens, tables = [15, 16, 40], [[0], [1, 2], [3, 4, 5]]
-    meta = AttentionMetadata.build([1, 1, 1], context_lens, tables, block_size)
+    meta = build_attention_metadata([1, 1, 1], context_lens, tables, block_size)
     q = torch.randn(3, num_heads, head_dim)
     k = torch.randn(3, num_kv_heads, head_dim)
     v = torch.randn(3, num_kv_heads, head_dim)
@@ -45,5 +44,6 @@ def test_pure_decode_batch_matches_the_torch_backend() -> None:
         torch.manual_seed(3)
         [cache] = allocate_kv_caches(1, 6, block_size, num_kv_heads, head_dim, torch.float32, "cpu")
         cache.normal_()
+        backend.plan(meta, cache)
         outputs.append(backend.forward(q, k, v, cache, meta, head_dim**-0.5))
     torch.testing.assert_close(outputs[1], outputs[0], atol=2e-5, rtol=2e-5)

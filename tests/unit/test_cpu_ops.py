@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.attention import torch_backend as attention
-from gpu_worker.attention.torch_backend import AttentionMetadata, TorchAttentionBackend
+from gpu_worker.attention.metadata import AttentionMetadata, build_attention_metadata
+from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from gpu_worker.ops import cpu_ops
 
 BLOCK = 16
@@ -231,7 +232,7 @@ def _mixed_step(
     for q_len, ctx in zip(query_lens, context_lens, strict=True):
         tables.append([order.pop() for _ in range(-(-(q_len + ctx) // BLOCK))])
     cache = torch.randn((2, num_blocks, BLOCK, kv_heads, dim), generator=gen)
-    meta = AttentionMetadata.build(query_lens, context_lens, tables, BLOCK)
+    meta = build_attention_metadata(query_lens, context_lens, tables, BLOCK)
     tokens = sum(query_lens)
     q = torch.randn((tokens, heads, dim), generator=gen)
     k = torch.randn((tokens, kv_heads, dim), generator=gen)
@@ -248,17 +249,18 @@ def test_backend_with_kernel_equals_without(
     scale = 64**-0.5
 
     fast_cache = cache.clone()
+    backend.plan(meta, fast_cache)
     fast = backend.forward(q, k, v, fast_cache, meta, scale)
-    assert meta.torch_plan is not None
-    assert meta.torch_plan.kernel_decodes is not None
-    assert meta.torch_plan.decode == []
+    assert backend.step_plan is not None
+    assert backend.step_plan.kernel_decodes is not None
+    assert backend.step_plan.decode == []
 
     monkeypatch.setattr(attention.cpu_ops, "available", lambda t: False)
-    meta.torch_plan = None
     slow_cache = cache.clone()
+    backend.plan(meta, slow_cache)
     slow = backend.forward(q, k, v, slow_cache, meta, scale)
-    assert meta.torch_plan is not None
-    assert meta.torch_plan.kernel_decodes is None
+    assert backend.step_plan is not None
+    assert backend.step_plan.kernel_decodes is None
 
     assert torch.equal(fast_cache, slow_cache)
     # Prefill rows take the same torch path; decode rows differ by summation order only.
@@ -274,17 +276,19 @@ def test_backend_pure_decode_uses_kernel_without_plan(
     gen = torch.Generator().manual_seed(5)
     context_lens = [15, 16, 47, 0, 3]
     tables = [[4 * i + j for j in range(4)] for i in range(5)]
-    meta = AttentionMetadata.build([1] * 5, context_lens, tables, BLOCK)
+    meta = build_attention_metadata([1] * 5, context_lens, tables, BLOCK)
     cache = torch.randn((2, 20, BLOCK, 3, 64), generator=gen)
     q = torch.randn((5, 9, 64), generator=gen)
     k, v = torch.randn((2, 5, 3, 64), generator=gen).unbind(0)
     backend = TorchAttentionBackend()
     fast_cache = cache.clone()
+    backend.plan(meta, fast_cache)
     fast = backend.forward(q, k, v, fast_cache, meta, 0.125)
-    assert meta.torch_plan is None
+    assert backend.step_plan is None
 
     monkeypatch.setattr(attention.cpu_ops, "available", lambda t: False)
     slow_cache = cache.clone()
+    backend.plan(meta, slow_cache)
     slow = backend.forward(q, k, v, slow_cache, meta, 0.125)
     assert torch.equal(fast_cache, slow_cache)
     torch.testing.assert_close(fast, slow, atol=2e-6, rtol=1e-5)

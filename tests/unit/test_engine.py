@@ -92,7 +92,7 @@ def test_greedy_parity_with_transformers_in_one_batch(
 def test_first_step_logits_match_transformers(
     engine: Engine, chat_prompts: list[list[int]], hf_model: Any
 ) -> None:
-    from gpu_worker.attention.torch_backend import AttentionMetadata
+    from gpu_worker.attention.metadata import build_attention_metadata
 
     prompt = chat_prompts[0]
     with torch.inference_mode():
@@ -100,9 +100,10 @@ def test_first_step_logits_match_transformers(
     # run the prompt through the engine's own model and cache (blocks 0.. of a fresh table)
     num_blocks = -(-len(prompt) // engine.config.block_size)
     free = engine.kv.pool.free_block_ids[:num_blocks]
-    meta = AttentionMetadata.build(
+    meta = build_attention_metadata(
         [len(prompt)], [0], [free], engine.config.block_size, engine.device
     )
+    engine.runner.attn_backend.plan(meta, engine.runner.kv_caches[0])
     with torch.inference_mode():
         hidden = engine.model(
             torch.tensor(prompt), torch.arange(len(prompt)), meta, engine.runner.kv_caches
@@ -183,3 +184,42 @@ def test_preemption_with_a_tiny_cache_gives_the_same_outputs(
     outputs = small.generate(prompts, params)
     assert [c.token_ids for c in outputs] == expected
     assert small.kv.num_free_blocks == small.kv.num_blocks
+
+
+def test_first_delta_carries_the_queue_time(engine: Engine) -> None:
+    from shared.protocol import Generate
+
+    engine.add_request(
+        Generate(
+            request_id="queued",
+            prompt_token_ids=list(range(100, 140)),
+            sampling=SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+        )
+    )
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas.extend(d for d in engine.step() if d.request_id == "queued")
+    assert len(deltas) == 3
+    first_queue_time = deltas[0].queue_time
+    assert first_queue_time is not None
+    assert 0.0 <= first_queue_time < 60.0
+    assert [d.queue_time for d in deltas[1:]] == [None, None]
+
+
+def test_add_request_rejects_empty_prompts_and_duplicates(engine: Engine) -> None:
+    """Requests are validated once, at the engine's boundary, with typed rejections."""
+    from gpu_worker.engine.errors import RequestRejected
+    from shared.protocol import Generate
+
+    def request(request_id: str, prompt: list[int]) -> Generate:
+        return Generate(request_id=request_id, prompt_token_ids=prompt, sampling=GREEDY)
+
+    with pytest.raises(RequestRejected, match="prompt is empty") as empty:
+        engine.add_request(request("empty", []))
+    assert empty.value.code == "invalid_request"
+    engine.add_request(request("ok", [1, 2, 3]))
+    with pytest.raises(RequestRejected) as duplicate:
+        engine.add_request(request("ok", [1, 2, 3]))
+    assert duplicate.value.code == "duplicate"
+    engine.abort(["ok"])
+    assert not engine.has_unfinished_requests()

@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.models.llama import Linear
 from gpu_worker.ops import gguf_linear
 from gpu_worker.ops.gguf_linear import (
     ENV_SWITCH,
@@ -22,6 +21,7 @@ from gpu_worker.ops.gguf_linear import (
     load_extension,
     quantized_kernels_available,
 )
+from gpu_worker.ops.linear import Linear
 
 QTYPES = [
     gguf.GGMLQuantizationType.Q4_0,
@@ -185,7 +185,7 @@ def test_smollm2_quantized_copies_match_dense_weights(ext: ModuleType) -> None:
         ):
             assert linear.quantized is not None
             assert torch.equal(linear.quantized.dequantize(), linear.weight)
-    head = model._quantized_head
+    head = model.logits_head.quantized
     assert head is not None
     assert head.qtype == int(gguf.GGMLQuantizationType.Q8_0)
     assert torch.equal(head.dequantize(), model.model.embed_tokens.weight)

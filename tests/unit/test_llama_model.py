@@ -11,16 +11,14 @@ import pytest
 import torch
 import transformers
 
-from gpu_worker.attention.torch_backend import (
-    AttentionMetadata,
-    TorchAttentionBackend,
-    allocate_kv_caches,
-    get_attention_backend,
-)
+from gpu_worker.attention.backend import get_attention_backend
+from gpu_worker.attention.metadata import build_attention_metadata
+from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from gpu_worker.loader import load_model
 from gpu_worker.models import MODEL_REGISTRY, LlamaForCausalLM
 from gpu_worker.models.config import ModelConfig, RopeScaling
 from gpu_worker.models.llama import rope_inv_freq
+from gpu_worker.runner.kv_caches import allocate_kv_caches
 from shared.model_source import resolve_model
 from tests.helpers.tiny_models import Family, PagedRunner, save_tiny_model
 
@@ -205,14 +203,14 @@ def test_torch_backend_matches_dense_attention(
         tables.append([free.pop() for _ in range(-(-total // block_size))])
         full_kv.append(torch.randn(2, total, num_kv_heads, head_dim))
     # Fill each sequence's cached prefix as earlier steps would have.
-    prefix = AttentionMetadata.build([c for c, _ in seqs], [0] * len(seqs), tables, block_size)
+    prefix = build_attention_metadata([c for c, _ in seqs], [0] * len(seqs), tables, block_size)
     backend.write_kv(
         torch.cat([kv[0, :c] for kv, (c, _) in zip(full_kv, seqs, strict=True)]),
         torch.cat([kv[1, :c] for kv, (c, _) in zip(full_kv, seqs, strict=True)]),
         kv_cache,
         prefix.slot_mapping,
     )
-    meta = AttentionMetadata.build([n for _, n in seqs], [c for c, _ in seqs], tables, block_size)
+    meta = build_attention_metadata([n for _, n in seqs], [c for c, _ in seqs], tables, block_size)
     width = meta.block_tables.shape[1]
     meta.block_tables = torch.tensor(
         [t + [pad] * (width - len(t)) for t in tables], dtype=torch.int32
@@ -221,6 +219,7 @@ def test_torch_backend_matches_dense_attention(
     qs = [torch.randn(n, num_heads, head_dim) for _, n in seqs]
     new_k = torch.cat([kv[0, c:] for kv, (c, _) in zip(full_kv, seqs, strict=True)])
     new_v = torch.cat([kv[1, c:] for kv, (c, _) in zip(full_kv, seqs, strict=True)])
+    backend.plan(meta, kv_cache)
     out = backend.forward(torch.cat(qs), new_k, new_v, kv_cache, meta, scale)
     expected = torch.cat(
         [

@@ -5,15 +5,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.sampling.sampler import Sampler, SamplingRequestState
+from gpu_worker.engine.sequence import Sequence
+from gpu_worker.sampling.sampler import Sampler, new_sampler_state
 from shared.sampling import SamplingParams
 
 CPU = torch.device("cpu")
 EOS = 7
 
 
-def _state(prompt: list[int] | None = None, **params: object) -> SamplingRequestState:
-    return SamplingRequestState.create(SamplingParams(**params), prompt or [], CPU)
+def _request(params: SamplingParams, prompt: list[int] | None = None) -> Sequence:
+    """A sequence as the engine makes one: the sampler reads its params, its tokens and
+    its sampler state."""
+    state = new_sampler_state(params, CPU)
+    return Sequence("r", list(prompt or []), params, sampler_state=state)
+
+
+def _state(prompt: list[int] | None = None, **params: object) -> Sequence:
+    return _request(SamplingParams(**params), prompt)
 
 
 def _sampler(vocab: int) -> Sampler:
@@ -245,7 +253,7 @@ def test_mixed_batch_of_greedy_sampled_and_seeded_rows() -> None:
         assert out.token_ids[row] == int(logits[row].argmax())
     assert out.token_ids[2] in logits[2].topk(20).indices.tolist()
     for row, seed in seeded.items():
-        assert states[row].params.seed == seed
-        solo = SamplingRequestState.create(states[row].params, [], CPU)
+        assert states[row].sampling.seed == seed
+        solo = _request(states[row].sampling)
         solo_out = _sampler(200).sample(logits[row : row + 1], [solo])
         assert solo_out.token_ids[0] == out.token_ids[row]

@@ -1,0 +1,63 @@
+"""The interface the model is written against for attention, and the backends by name.
+
+Every step, the model runner calls `plan` once with the step's metadata, before the first
+layer; every layer then calls `forward`. A backend that prepares per-step work (index
+tensors, masks) does it in `plan`, so all layers share it; one that reads the metadata
+directly (Triton) has nothing to plan.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from gpu_worker.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    """What the model calls for attention; the torch and Triton backends implement it."""
+
+    def plan(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> None:
+        """Prepare this step's work for every layer. `kv_cache` is any layer's cache: all
+        layers share its shape, dtype and device."""
+        ...
+
+    def write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """Store new k/v `[num_tokens, num_kv_heads, head_dim]` into their cache slots."""
+        ...
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write k/v into the cache, then attend: q `[num_tokens, num_heads, head_dim]` ->
+        out of the same shape, each query seeing its sequence's keys up to its own position."""
+        ...
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    """Backend by name: "torch" (reference, any device) or "triton" (CUDA kernels)."""
+    if name == "torch":
+        from gpu_worker.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "triton":
+        from gpu_worker.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; expected 'torch' or 'triton'")
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    """`auto` is Triton on CUDA and torch elsewhere."""
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return name

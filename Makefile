@@ -30,6 +30,7 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 	$(VENV)/bin/python -m pytest -q
 
 # The inner loop: unit tests without the ones marked slow (the first run also builds the
@@ -40,6 +41,7 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 bench-render: $(STAMP)
 	$(VENV)/bin/python bench/render.py

@@ -10,7 +10,6 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-
 from gpu_worker.engine.config import CacheConfig, SchedulerConfig
 from gpu_worker.engine.kv_cache import KVCacheManager
 from gpu_worker.engine.scheduler import Scheduler, SchedulerOutput

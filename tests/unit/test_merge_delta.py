@@ -14,7 +14,8 @@ def test_tokens_and_logprobs_append_and_the_finish_wins() -> None:
     merge_delta(into, RequestDelta("r", [2], logprobs=[_logprob(-2.0)]))
     merge_delta(into, RequestDelta("r", [3], finish_reason="stop", stop_token_id=3))
     assert into.new_token_ids == [1, 2, 3]
-    assert into.logprobs is not None and [e.logprob for e in into.logprobs] == [-1.0, -2.0]
+    assert into.logprobs is not None
+    assert [e.logprob for e in into.logprobs] == [-1.0, -2.0]
     assert (into.finish_reason, into.stop_token_id) == ("stop", 3)
     assert into.num_cached_tokens == 16
 

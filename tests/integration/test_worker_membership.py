@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from render_server.worker_client.pool import WorkerPool
 from shared.protocol import Deltas, RequestDelta
+from tests.helpers.waiting import wait_until_async
 from tests.integration.test_workers_client import (
     FAKE_CARD,
     collect,
@@ -12,7 +13,6 @@ from tests.integration.test_workers_client import (
     greedy,
     run,
     tokens,
-    until,
 )
 
 
@@ -34,11 +34,13 @@ def test_workers_join_and_a_removed_one_drains() -> None:
             await pool.start(ready_timeout_s=5)
             try:
                 pool.set_addresses([a.endpoint, b.endpoint])
-                await until(
+                await wait_until_async(
                     lambda: [s.alive for s in pool.statuses()] == [True, True], 5, "b to join"
                 )
                 streams = [await pool.submit(greedy(f"r{i}")) for i in range(4)]
-                await until(lambda: len(a.request_ids + b.request_ids) == 4, 2, "the Generates")
+                await wait_until_async(
+                    lambda: len(a.request_ids + b.request_ids) == 4, 2, "the Generates"
+                )
                 assert (a.request_ids, b.request_ids) == (["r0", "r2"], ["r1", "r3"])
                 for stream in streams[1:]:
                     await stream.abort()
@@ -52,14 +54,16 @@ def test_workers_join_and_a_removed_one_drains() -> None:
                 ]
                 for i in range(4, 6):
                     await (await pool.submit(greedy(f"r{i}"))).abort()
-                await until(lambda: b.request_ids[-2:] == ["r4", "r5"], 2, "new requests on b")
+                await wait_until_async(
+                    lambda: b.request_ids[-2:] == ["r4", "r5"], 2, "new requests on b"
+                )
                 assert a.request_ids == ["r0", "r2"]  # nothing new for a draining worker
 
                 a.send(Deltas(deltas=[RequestDelta("r0", [7, 8], finish_reason="length")]))
                 deltas = await collect(streams[0])
                 assert tokens(deltas) == [7, 8]
                 assert deltas[-1].finish_reason == "length"
-                await until(
+                await wait_until_async(
                     lambda: [s.address for s in pool.statuses()] == [b.endpoint],
                     2,
                     "the drained worker to be disconnected",
@@ -67,13 +71,13 @@ def test_workers_join_and_a_removed_one_drains() -> None:
 
                 # Listed again: connected afresh and back in rotation.
                 pool.set_addresses([b.endpoint, a.endpoint])
-                await until(
+                await wait_until_async(
                     lambda: [s.alive for s in pool.statuses()] == [True, True], 5, "a to rejoin"
                 )
                 for i in range(6, 8):
                     await (await pool.submit(greedy(f"r{i}"))).abort()
-                await until(lambda: "r6" in b.request_ids + a.request_ids, 2, "r6")
-                await until(lambda: "r7" in b.request_ids + a.request_ids, 2, "r7")
+                await wait_until_async(lambda: "r6" in b.request_ids + a.request_ids, 2, "r6")
+                await wait_until_async(lambda: "r7" in b.request_ids + a.request_ids, 2, "r7")
                 assert {"r6", "r7"} == {b.request_ids[-1], a.request_ids[-1]}
             finally:
                 await pool.close()
@@ -88,7 +92,9 @@ def test_a_draining_worker_listed_again_stays() -> None:
             pool = _pool([a.endpoint, b.endpoint])
             await pool.start(ready_timeout_s=5)
             try:
-                await until(lambda: all(s.alive for s in pool.statuses()), 5, "both workers")
+                await wait_until_async(
+                    lambda: all(s.alive for s in pool.statuses()), 5, "both workers"
+                )
                 stream = await pool.submit(greedy("long"))  # round robin: on a
                 pool.set_addresses([b.endpoint])
                 pool.set_addresses([a.endpoint, b.endpoint])  # e.g. a flapping DNS answer

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpu_worker.engine.config import EngineConfig
+from gpu_worker.core.config import EngineConfig
 from shared.cli_fields import add_fields, given_fields
 from shared.model_source import ModelNotFoundError
 

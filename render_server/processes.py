@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
+from render_server.serve import announce, build_app, configure_logging, serve_app
 from render_server.settings import RenderSettings
 
 logger = logging.getLogger(__name__)
@@ -54,8 +55,6 @@ _BACKLOG = 2048  # uvicorn's default
 def serve_processes(settings: RenderSettings) -> int:
     """Serve with `settings.processes` render processes until a signal stops them all.
     Returns the exit code: 0 when every child drained and exited cleanly."""
-    from render_server.cli import announce  # cli imports this module lazily
-
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
     try:
         listener = socket.create_server(
@@ -201,7 +200,6 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 def child_main() -> None:
     """Entry point of one render process; started by `serve_processes`, never by hand."""
-    from render_server.cli import build_app, configure_logging, serve_app
 
     _exit_with_parent(int(os.environ.pop(_PARENT_ENV)))
     settings = RenderSettings.model_validate_json(os.environ.pop(_SETTINGS_ENV))

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker.attention.backend import get_attention_backend, resolve_backend_name
-from gpu_worker.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from gpu_worker.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from gpu_worker.core.kv_cache import KVCacheManager
+from gpu_worker.core.scheduler import ScheduledSequence, Scheduler
+from gpu_worker.core.sequence import FinishReason, Sequence
 from gpu_worker.engine.errors import RequestRejected
-from gpu_worker.engine.kv_cache import KVCacheManager
-from gpu_worker.engine.scheduler import ScheduledSequence, Scheduler
-from gpu_worker.engine.sequence import FinishReason, Sequence
 from gpu_worker.loader import load_model
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.ops.layer_ops import get_layer_ops

@@ -2,7 +2,7 @@
 
 Layout, one tensor per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]` (index 0
 = keys, 1 = values). Cache slot `s` is block `s // block_size`, offset `s % block_size`.
-The block ids themselves are handed out by `gpu_worker.engine.kv_cache`, which never
+The block ids themselves are handed out by `gpu_worker.core.kv_cache`, which never
 touches these tensors.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.engine.config import EngineConfig
+from gpu_worker.core.config import EngineConfig
 from gpu_worker.models.config import ModelConfig
 
 CPU_DEFAULT_KV_CACHE_GB = 1.0

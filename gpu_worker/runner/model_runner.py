@@ -14,7 +14,7 @@ import torch
 
 from gpu_worker.attention.backend import AttentionBackend
 from gpu_worker.attention.metadata import AttentionMetadata, layout_batch, upload_batch
-from gpu_worker.engine.scheduler import ScheduledSequence
+from gpu_worker.core.scheduler import ScheduledSequence
 from gpu_worker.models.base import CausalLM
 from gpu_worker.runner.cuda_graphs import DecodeGraphRunner
 

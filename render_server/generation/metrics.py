@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
+from prometheus_client.registry import Collector, CollectorRegistry
 
 from render_server.generation.lifecycle import Generation
-from render_server.http.metrics import RenderMetrics
 from render_server.worker_client.pool import WorkerStatus
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -50,12 +50,21 @@ class _WorkerCollector(Collector):
         yield from (alive, running, waiting, kv_usage)
 
 
+class MetricsHost(Protocol):
+    """Where generation metrics live: the app's registry (render_server.http.metrics'
+    RenderMetrics), and its live collectors, which are never summed across processes."""
+
+    registry: CollectorRegistry
+
+    def register_live(self, collector: Collector) -> None: ...
+
+
 class GenerationMetrics:
     """Counters and histograms of chat/completions requests, on the app's registry."""
 
     def __init__(
         self,
-        metrics: RenderMetrics,
+        metrics: MetricsHost,
         worker_statuses: Callable[[], list[WorkerStatus]] | None = None,
     ) -> None:
         registry = metrics.registry

@@ -6,8 +6,8 @@ from __future__ import annotations
 import msgspec
 
 from render_server.generation.lifecycle import ChoiceSpec
-from render_server.http.errors import ApiError
-from render_server.http.schemas.generation import UNSUPPORTED_FIELDS, SamplingFields
+from render_server.schemas.errors import ApiError
+from render_server.schemas.generation import UNSUPPORTED_FIELDS, SamplingFields
 from shared.sampling import INT64_MAX, INT64_MIN, SamplingParams, SamplingParamsError
 
 

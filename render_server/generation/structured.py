@@ -23,15 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 import llguidance
 
-from render_server.http.errors import ApiError
+from render_server.schemas.errors import ApiError
 from shared.constraints import lltokenizer_from_hf, validate
 from shared.protocol import MAX_CONSTRAINT_CHARS, Constraint
 
 if TYPE_CHECKING:
-    from fastapi import Request
-
-    from render_server.http.api.deps import RenderState
-    from render_server.http.schemas.generation import SamplingFields
+    from render_server.schemas.generation import SamplingFields
     from render_server.templating.tokenizer import Tokenizer
 
 VALIDATION_TIMEOUT_S = 2.0
@@ -88,25 +85,15 @@ class ConstraintValidator:
             return f"constraint too complex: it did not compile within {self.timeout_s:g} s"
 
 
-def validator_for(request: Request, tokenizer: Tokenizer) -> ConstraintValidator:
-    """The app's validator, made on first use and kept on `app.state`."""
-    app_state = request.app.state
-    validator = getattr(app_state, "constraint_validator", None)
-    if validator is None or validator.tokenizer is not tokenizer:
-        validator = ConstraintValidator(tokenizer)
-        app_state.constraint_validator = validator
-    return validator
-
-
 async def resolve_constraint(
-    request: Request, state: RenderState, body: SamplingFields
+    validator: ConstraintValidator, body: SamplingFields
 ) -> Constraint | None:
     """The request's constraint, compiled and checked; ApiError 400 naming the field."""
     found = constraint_from_request(body)
     if found is None:
         return None
     constraint, param = found
-    error = await validator_for(request, state.tokenizer).check(constraint)
+    error = await validator.check(constraint)
     if error is not None:
         raise ApiError(400, f"{param}: {error}", param=param, code="invalid_constraint")
     return constraint
@@ -203,10 +190,10 @@ def _constraint(kind: str, value: Any, param: str) -> Constraint:
 
 
 async def check_constraint(
-    request: Request, state: RenderState, constraint: Constraint, param: str
+    validator: ConstraintValidator, constraint: Constraint, param: str
 ) -> Constraint:
     """Validate a constraint built by the server (tool choice); 400 naming `param`."""
-    error = await validator_for(request, state.tokenizer).check(constraint)
+    error = await validator.check(constraint)
     if error is not None:
         raise ApiError(400, f"{param}: {error}", param=param, code="invalid_constraint")
     return constraint

@@ -16,7 +16,8 @@ import logging
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from render_server.http.errors import SERVER_ERROR, error_body
+from render_server.http.errors import error_body
+from render_server.schemas.errors import SERVER_ERROR
 
 logger = logging.getLogger(__name__)
 

@@ -25,16 +25,28 @@ from render_server.generation.sampling_params import (
     reject_unsupported,
     resolve_max_tokens,
 )
-from render_server.http.errors import ApiError
+from render_server.generation.structured import ConstraintValidator
 from render_server.http.formatter import ResponseFormatter
-from render_server.http.schemas.generation import SamplingFields
 from render_server.http.serving import json_response, until_disconnect, worker_error_to_api
+from render_server.schemas.errors import ApiError
+from render_server.schemas.generation import SamplingFields
 from render_server.worker_client.pool import WorkerError, WorkerPool
 from shared.protocol import Constraint
 
 if TYPE_CHECKING:
     # Only a type here: the api package imports this module while it initializes.
     from render_server.http.api.deps import RenderState
+    from render_server.templating.tokenizer import Tokenizer
+
+
+def constraint_validator(request: Request, tokenizer: Tokenizer) -> ConstraintValidator:
+    """The app's validator, made on first use and kept on `app.state`."""
+    app_state = request.app.state
+    validator = getattr(app_state, "constraint_validator", None)
+    if validator is None or validator.tokenizer is not tokenizer:
+        validator = ConstraintValidator(tokenizer)
+        app_state.constraint_validator = validator
+    return validator
 
 
 def admit(state: RenderState, body: SamplingFields) -> WorkerPool:

@@ -16,43 +16,21 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from render_server.http.schemas.errors import ErrorInfo, ErrorResponse
+from render_server.schemas.errors import (
+    INVALID_REQUEST,
+    SERVER_ERROR,
+    ApiError,
+    ErrorInfo,
+    ErrorResponse,
+)
 
 logger = logging.getLogger(__name__)
 
-INVALID_REQUEST = "invalid_request_error"
-SERVER_ERROR = "server_error"
 
 # Where FastAPI says a value came from; the client only cares about the path below it.
 _LOCATION_ROOTS = frozenset({"body", "query", "path", "header", "cookie"})
 # Pydantic's messages for "this is not an object", seen when the body is `[1]` or `"x"`.
 _NOT_AN_OBJECT = frozenset({"model_type", "model_attributes_type", "dict_type", "missing"})
-
-
-class ApiError(Exception):
-    """An error a route reports to the client, with its HTTP status."""
-
-    def __init__(
-        self,
-        status_code: int,
-        message: str,
-        *,
-        type: str = INVALID_REQUEST,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
-        self.headers = headers
-
-
-def model_not_found(name: str) -> ApiError:
-    """The 404 OpenAI returns for a `model` it does not serve."""
-    return ApiError(
-        404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
-    )
 
 
 def error_body(

@@ -10,10 +10,10 @@ from typing import Generic, TypeVar
 import msgspec
 
 from render_server.generation.lifecycle import Choice, ChoiceDelta, Generation
-from render_server.http.errors import ApiError
-from render_server.http.schemas.generation import StreamOptions
-from render_server.http.schemas.responses import Usage
 from render_server.http.serving import SSE_DONE, sse_error, sse_event, usage_of
+from render_server.schemas.errors import ApiError
+from render_server.schemas.generation import StreamOptions
+from render_server.schemas.responses import Usage
 
 ChunkChoiceT = TypeVar("ChunkChoiceT")
 ChoiceT = TypeVar("ChoiceT")

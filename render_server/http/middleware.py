@@ -26,8 +26,9 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from render_server.http.errors import SERVER_ERROR, error_body
+from render_server.http.errors import error_body
 from render_server.http.metrics import UNMATCHED_ROUTE, RenderMetrics
+from render_server.schemas.errors import SERVER_ERROR
 
 logger = logging.getLogger(__name__)
 

@@ -13,9 +13,8 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from render_server.generation.lifecycle import Generation
-from render_server.http.errors import SERVER_ERROR, ApiError
-from render_server.http.schemas.errors import ErrorInfo, ErrorResponse
-from render_server.http.schemas.responses import PromptTokensDetails, Usage
+from render_server.schemas.errors import SERVER_ERROR, ApiError, ErrorInfo, ErrorResponse
+from render_server.schemas.responses import PromptTokensDetails, Usage
 from render_server.worker_client.pool import WorkerError
 
 T = TypeVar("T")

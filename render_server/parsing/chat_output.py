@@ -12,15 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from render_server.http.schemas.responses import (
+from render_server.parsing.reasoning import get_reasoning_parser
+from render_server.parsing.tool_choice import ToolPlan, calls_from_constrained_text, new_call_id
+from render_server.parsing.tool_parsers import get_tool_parser
+from render_server.schemas.responses import (
     FunctionDeltaOut,
     FunctionOut,
     ToolCallDeltaOut,
     ToolCallOut,
 )
-from render_server.parsing.reasoning import get_reasoning_parser
-from render_server.parsing.tool_choice import ToolPlan, calls_from_constrained_text, new_call_id
-from render_server.parsing.tool_parsers import get_tool_parser
 
 
 @dataclass

@@ -19,8 +19,8 @@ import string
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from render_server.http.errors import ApiError
 from render_server.parsing.tool_parsers import ToolCall, get_tool_parser
+from render_server.schemas.errors import ApiError
 from shared.protocol import Constraint
 
 ToolMode = Literal["none", "auto", "required", "named"]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_worker.engine.config import CacheConfig
-from gpu_worker.engine.kv_cache import KVCacheManager
-from gpu_worker.engine.sequence import Sequence
+from gpu_worker.core.config import CacheConfig
+from gpu_worker.core.kv_cache import KVCacheManager
+from gpu_worker.core.sequence import Sequence
 from shared.hashing import prefix_block_hashes
 from shared.sampling import SamplingParams
 

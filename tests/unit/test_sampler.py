@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.engine.sequence import Sequence
+from gpu_worker.core.sequence import Sequence
 from gpu_worker.sampling.sampler import Sampler, new_sampler_state
 from shared.sampling import SamplingParams
 

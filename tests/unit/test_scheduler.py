@@ -10,10 +10,10 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-from gpu_worker.engine.config import CacheConfig, SchedulerConfig
-from gpu_worker.engine.kv_cache import KVCacheManager
-from gpu_worker.engine.scheduler import Scheduler, SchedulerOutput
-from gpu_worker.engine.sequence import FinishReason, Sequence, SequenceStatus
+from gpu_worker.core.config import CacheConfig, SchedulerConfig
+from gpu_worker.core.kv_cache import KVCacheManager
+from gpu_worker.core.scheduler import Scheduler, SchedulerOutput
+from gpu_worker.core.sequence import FinishReason, Sequence, SequenceStatus
 from shared.sampling import SamplingParams
 
 BS = 16
@@ -326,8 +326,8 @@ def test_random_workload_keeps_invariants() -> None:
 
 def test_engine_modules_do_not_import_torch() -> None:
     code = (
-        "import sys, gpu_worker, gpu_worker.engine.config, gpu_worker.engine.sequence, "
-        "gpu_worker.engine.kv_cache, gpu_worker.engine.scheduler; "
+        "import sys, gpu_worker, gpu_worker.core.config, gpu_worker.core.sequence, "
+        "gpu_worker.core.kv_cache, gpu_worker.core.scheduler; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

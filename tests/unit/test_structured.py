@@ -21,8 +21,8 @@ from gpu_worker import Engine
 from gpu_worker.engine.errors import RequestRejected
 from gpu_worker.sampling.structured import GrammarMasker, RequestMatcher, lltokenizer_from_source
 from render_server.generation.structured import ConstraintValidator, constraint_from_request
-from render_server.http.errors import ApiError
-from render_server.http.schemas.generation import ChatCompletionRequest
+from render_server.schemas.errors import ApiError
+from render_server.schemas.generation import ChatCompletionRequest
 from render_server.worker_client.routing import continuation
 from shared.constraints import lltokenizer_from_hf, new_matcher, validate
 from shared.model_source import ModelSource

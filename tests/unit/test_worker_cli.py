@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gpu_worker.cli import build_parser, config_from_args
-from gpu_worker.engine.config import EngineConfig
+from gpu_worker.core.config import EngineConfig
 
 
 def test_defaults_equal_the_engine_defaults() -> None:

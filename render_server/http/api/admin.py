@@ -6,7 +6,7 @@ from fastapi import APIRouter, Response
 
 from render_server.http.api.deps import StateDep
 from render_server.http.metrics import METRICS_CONTENT_TYPE
-from render_server.http.schemas.models import HealthResponse, VersionResponse
+from render_server.schemas.models import HealthResponse, VersionResponse
 
 router = APIRouter(tags=["admin"])
 

@@ -11,11 +11,15 @@ from fastapi.responses import Response
 from render_server.generation.lifecycle import Choice, ChoiceDelta, Generation
 from render_server.generation.structured import check_constraint, resolve_constraint
 from render_server.http.api.deps import RenderState, StateDep
-from render_server.http.endpoint import admit, new_generation, respond
-from render_server.http.errors import ApiError
+from render_server.http.endpoint import admit, constraint_validator, new_generation, respond
 from render_server.http.formatter import OpenAIFormatter
-from render_server.http.schemas.generation import ChatCompletionRequest
-from render_server.http.schemas.responses import (
+from render_server.http.serving import GENERATION_ERRORS, new_request_id
+from render_server.parsing.chat_output import ChoiceProcessor
+from render_server.parsing.reasoning import get_reasoning_parser
+from render_server.parsing.tool_choice import ToolPlan, plan_tools
+from render_server.schemas.errors import ApiError
+from render_server.schemas.generation import ChatCompletionRequest
+from render_server.schemas.responses import (
     ChatChoice,
     ChatChoiceLogprobs,
     ChatChunkChoice,
@@ -27,11 +31,7 @@ from render_server.http.schemas.responses import (
     TopLogprob,
     Usage,
 )
-from render_server.http.schemas.responses import FinishReason as ApiFinishReason
-from render_server.http.serving import GENERATION_ERRORS, new_request_id
-from render_server.parsing.chat_output import ChoiceProcessor
-from render_server.parsing.reasoning import get_reasoning_parser
-from render_server.parsing.tool_choice import ToolPlan, plan_tools
+from render_server.schemas.responses import FinishReason as ApiFinishReason
 from render_server.templating.chat_template import ChatTemplateError, RequestTemplateNotAllowed
 from render_server.templating.token_text import TokenText
 from shared.protocol import Constraint, FinishReason, TokenLogprobs
@@ -87,7 +87,7 @@ async def _constraint(
 ) -> Constraint | None:
     """The request's structured-output constraint, or the tool choice's; held off until
     reasoning ended when a reasoning parser splits it off."""
-    constraint = await resolve_constraint(request, state, body)
+    constraint = await resolve_constraint(constraint_validator(request, state.tokenizer), body)
     if plan.constraint is not None:
         if constraint is not None:
             raise ApiError(
@@ -96,7 +96,9 @@ async def _constraint(
                 "another structured-output constraint.",
                 param="tool_choice",
             )
-        constraint = await check_constraint(request, state, plan.constraint, "tools")
+        constraint = await check_constraint(
+            constraint_validator(request, state.tokenizer), plan.constraint, "tools"
+        )
     settings = state.settings
     if (
         constraint is not None

@@ -9,17 +9,17 @@ from starlette.concurrency import run_in_threadpool
 from render_server.generation.lifecycle import Choice, ChoiceDelta, Generation
 from render_server.generation.structured import resolve_constraint
 from render_server.http.api.deps import RenderState, StateDep
-from render_server.http.endpoint import admit, new_generation, respond
-from render_server.http.errors import ApiError
+from render_server.http.endpoint import admit, constraint_validator, new_generation, respond
 from render_server.http.formatter import OpenAIFormatter
-from render_server.http.schemas.generation import CompletionRequest
-from render_server.http.schemas.responses import (
+from render_server.http.serving import GENERATION_ERRORS, new_request_id
+from render_server.schemas.errors import ApiError
+from render_server.schemas.generation import CompletionRequest
+from render_server.schemas.responses import (
     CompletionChoice,
     CompletionLogprobs,
     TextCompletion,
     Usage,
 )
-from render_server.http.serving import GENERATION_ERRORS, new_request_id
 from render_server.templating.token_text import TokenText
 from shared.protocol import TokenLogprobs
 
@@ -85,7 +85,7 @@ def _logprobs(
 async def completions(body: CompletionRequest, request: Request, state: StateDep) -> Response:
     """OpenAI's text completions, streamed (SSE) or not; several prompts allowed."""
     pool = admit(state, body)
-    constraint = await resolve_constraint(request, state, body)
+    constraint = await resolve_constraint(constraint_validator(request, state.tokenizer), body)
     generation = new_generation(
         state,
         pool,

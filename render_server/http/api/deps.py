@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 
-from render_server.http.errors import SERVER_ERROR, ApiError, model_not_found
 from render_server.http.metrics import RenderMetrics
+from render_server.schemas.errors import SERVER_ERROR, ApiError, model_not_found
 from render_server.settings import RenderSettings
 
 if TYPE_CHECKING:

@@ -5,9 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from render_server.http.api.deps import RenderState, StateDep
-from render_server.http.errors import model_not_found
-from render_server.http.schemas.errors import ErrorResponse
-from render_server.http.schemas.models import ModelInfo, ModelList
+from render_server.schemas.errors import ErrorResponse, model_not_found
+from render_server.schemas.models import ModelInfo, ModelList
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 

@@ -21,10 +21,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from render_server.http.api.deps import RenderState, StateDep
-from render_server.http.errors import ApiError, error_response
+from render_server.http.errors import error_response
 from render_server.http.middleware import route_path
-from render_server.http.schemas.errors import ErrorResponse
-from render_server.http.schemas.tokenize import (
+from render_server.schemas.errors import ApiError, ErrorResponse
+from render_server.schemas.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeChatRequest,

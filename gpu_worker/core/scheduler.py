@@ -17,9 +17,9 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from gpu_worker.engine.config import SchedulerConfig
-from gpu_worker.engine.kv_cache import KVCacheManager
-from gpu_worker.engine.sequence import FinishReason, Sequence, SequenceStatus
+from gpu_worker.core.config import SchedulerConfig
+from gpu_worker.core.kv_cache import KVCacheManager
+from gpu_worker.core.sequence import FinishReason, Sequence, SequenceStatus
 
 
 @dataclass

@@ -19,8 +19,8 @@ from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from gpu_worker.engine.config import CacheConfig
-from gpu_worker.engine.sequence import Sequence
+from gpu_worker.core.config import CacheConfig
+from gpu_worker.core.sequence import Sequence
 from shared.hashing import BlockHash
 
 

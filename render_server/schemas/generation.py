@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from render_server.http.schemas.tokenize import ChatMessage, ToolDefinition
+from render_server.schemas.tokenize import ChatMessage, ToolDefinition
 
 # Bounds checked in the render tier before anything reaches a worker.
 MAX_MESSAGES = 4096

@@ -61,10 +61,13 @@ class _Message(msgspec.Struct, forbid_unknown_fields=True, tag_field="type", kw_
 # ---- render -> worker ---------------------------------------------------------------
 
 
+ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+
+
 class Constraint(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A structured-output constraint on a request's output (see shared.constraints)."""
 
-    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+    kind: ConstraintKind
     spec: Annotated[str, msgspec.Meta(max_length=MAX_CONSTRAINT_CHARS)] = ""
     """JSON schema text, a regex, a Lark/GBNF grammar, or a JSON list of choices;
     empty for json_object."""

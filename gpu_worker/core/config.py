@@ -14,7 +14,7 @@ like the flags they come from.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Annotated
+from typing import Annotated, Any
 
 from shared.cli_fields import Flag
 from shared.model_source import DEFAULT_MODEL
@@ -107,10 +107,10 @@ class EngineConfig:
     """Queued requests beyond this are rejected with `queue_full`."""
 
     @classmethod
-    def from_kwargs(cls, **kwargs: object) -> EngineConfig:
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """The config of `Engine(**kwargs)`; an unknown keyword is a TypeError naming it."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"unknown engine arguments: {', '.join(unknown)}")
-        return cls(**kwargs)  # type: ignore[arg-type]
+        return cls(**kwargs)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from render_server.parsing.reasoning import get_reasoning_parser
 from render_server.parsing.tool_choice import ToolPlan, calls_from_constrained_text, new_call_id
-from render_server.parsing.tool_parsers import get_tool_parser
+from render_server.parsing.tool_parsers import DeltaMessage, get_tool_parser
 from render_server.schemas.responses import (
     FunctionDeltaOut,
     FunctionOut,
@@ -150,9 +150,9 @@ class ChoiceProcessor:
             return ToolCallDeltaOut(0, self._named_id, "function", function)
         return ToolCallDeltaOut(0, function=FunctionDeltaOut(arguments=text))
 
-    def _deltas(self, message: object) -> list[ToolCallDeltaOut]:
+    def _deltas(self, message: DeltaMessage) -> list[ToolCallDeltaOut]:
         out = []
-        for delta in message.tool_calls:  # type: ignore[attr-defined]
+        for delta in message.tool_calls:
             if delta.id is not None:
                 self.called_tools = True
             function = FunctionDeltaOut(delta.name, delta.arguments)

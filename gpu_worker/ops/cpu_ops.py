@@ -7,8 +7,9 @@ so `DUET_CPU_GGUF_KERNELS=0` or a failed build turns them off too; callers check
 when the extension is missing.
 
 Why: on CPU, the torch attention backend gathers every decode sequence's K/V blocks into a
-padded tensor each layer before SDPA (the gather alone was ~15% of a 32-sequence step), and
-`F.rms_norm` runs as five or six aten ops (~30 us a call, 61 calls a step at one sequence).
+padded tensor each layer before SDPA, and `F.rms_norm` runs as five or six aten ops, 61
+calls a step at one sequence. bench/cpu_ops.py times each kernel against the torch path it
+replaces (bench/RESULTS.md, CPU kernels).
 """
 
 from __future__ import annotations

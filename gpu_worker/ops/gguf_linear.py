@@ -41,11 +41,9 @@ SUPPORTED_TYPES: dict[int, int] = {
     int(gguf.GGMLQuantizationType.Q8_0): 34,
 }
 
-# Rows up to which the kernel runs; more go to MKL's fp32 sgemm on the dense copy. Measured
-# with bench/gguf_gemv.py (1 thread, Sapphire Rapids, SmolLM2's shapes, weights cycling
-# through all 30 layers): up to 8 rows the dot-product path is 2.0-4.7x faster than dense;
-# past 8 the outer-product path is 1.6-2.0x at 32 rows, 1.04-1.5x at 64, 0.96-1.10x at 96
-# (1.07x over a layer), and at 128 rows down and the LM head are slower than dense.
+# Rows up to which the kernel runs; more go to MKL's fp32 sgemm on the dense copy. Chosen
+# from bench/gguf_gemv.py (bench/RESULTS.md, gguf_gemv): the kernel beats dense fp32 over a
+# layer up to 96 rows, and at 128 rows the down projection and the LM head are slower.
 MAX_QUANTIZED_ROWS = 96
 
 # One extension module for all CPU kernels: gguf_gemv.cpp defines the module and registers

@@ -3,7 +3,7 @@ residual add), rotary embedding and SiLU-and-mul.
 
 `TorchLayerOps` is plain torch, op for op what transformers computes, except RMSNorm on CPU
 fp32 where duet's CPU extension is built: `cpu_ops.rms_norm` is one pass instead of six aten
-ops (61 calls a step; ~2 ms of a 16 ms one-sequence decode step), equal to `F.rms_norm` up to
+ops (61 calls a step; timed in bench/RESULTS.md, CPU kernels), equal to `F.rms_norm` up to
 summation order. `TritonLayerOps` runs duet's kernels (kernels/rms_norm.py,
 rotary.py, activation.py): one pass over memory each where torch makes several, and fewer
 launches per layer, which is what a decode step of a small model on a GPU pays for. The

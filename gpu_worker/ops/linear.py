@@ -27,8 +27,8 @@ class Linear(nn.Linear):
 
     On CPU, a bf16 `F.linear` reorders the whole weight into oneDNN's blocked layout on
     every call, which costs about as much as the matmul at decode sizes. Packing once at
-    load gives the same results bit for bit, 1.4-1.7x faster from 1 to 2048 rows on an
-    AMX Xeon, for a second copy of the weights. fp32 stays on MKL's sgemm: packing there
+    load gives the same results bit for bit and is faster at every batch size on an AMX
+    Xeon, for a second copy of the weights. fp32 stays on MKL's sgemm: packing there
     was slower for single tokens and large prefills. fp32 decode-sized batches run on the
     GGUF blocks in `quantized` where the loader kept them.
     """

@@ -266,16 +266,16 @@ class Sampler:
 def _exponential_(t: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Fill `t` with Exp(1) draws in place, by inverting the CDF: -log(1 - U).
 
-    The same distribution as `Tensor.exponential_`, which on CPU costs 6.6x as much
-    (26.9 ms against 4.1 ms for 32 x 49,152 draws on one thread), a tenth of a batch-32
-    decode step of SmolLM2 when every row samples."""
+    The same distribution as `Tensor.exponential_`, which costs several times as much on
+    CPU, a noticeable share of a batch-32 decode step when every row samples
+    (bench/RESULTS.md, Design choices)."""
     return t.uniform_(generator=generator).neg_().log1p_().neg_()
 
 
 def _argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """Index of each row's largest value, the first one on ties (as argmax). On CPU,
-    `max(dim)` is ~3x faster than `argmax` over a 49k vocabulary (2.8 vs 0.9 ms at 32
-    rows), and it is no slower on CUDA."""
+    `max(dim)` was measured faster than `argmax` over a 49k vocabulary (bench/RESULTS.md,
+    Design choices), and it is no slower on CUDA."""
     return x.max(dim=-1).indices
 
 

@@ -121,7 +121,8 @@ class RequestMatcher:
 class StructuredOutputs:
     """The worker's structured-output support: the tokenizer view and matcher factory.
 
-    Building llguidance's tokenizer takes ~0.5 s for a 50k vocabulary, so `start_loading`
+    Building llguidance's tokenizer takes a noticeable fraction of a second for a 50k
+    vocabulary (bench/RESULTS.md, Constraint costs), so `start_loading`
     runs it on a background thread when the engine starts, and the first constrained
     request does not stall the step loop.
     """

@@ -19,8 +19,9 @@ from tokenizers import Tokenizer as HFTokenizer
 from render_server.templating.tokenizer import Tokenizer
 
 # DecodeStream (tokenizers >= 0.22: `ids=` prefill and list steps) runs the same window scheme
-# in Rust: one Python call per step instead of two `decode` calls plus list slicing, which
-# measured ~1.9x faster on SmolLM2. Older tokenizers get the same scheme in Python.
+# in Rust: one Python call per step instead of two `decode` calls plus list slicing
+# (bench/detokenizer.py measures the detokenizer). Older tokenizers get the same scheme in
+# Python.
 try:
     from tokenizers.decoders import DecodeStream
 

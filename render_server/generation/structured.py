@@ -66,7 +66,8 @@ class ConstraintValidator:
     async def check(self, constraint: Constraint) -> str | None:
         """None if the constraint compiles, else why not (a message for the client)."""
         if self._lltokenizer is None:
-            # Built once (~1 s), outside the deadline: that cost is not the request's fault.
+            # Built once, outside the deadline: that cost is not the request's fault (its time:
+            # bench/RESULTS.md, Constraint costs).
             tokenizer = self.tokenizer
             self._lltokenizer = self._executor.submit(
                 lltokenizer_from_hf,

@@ -41,7 +41,8 @@ class StateEnum(Enum):
     """Base of the scanners' and parsers' state enums, whose members key their step tables.
 
     Members hash by identity, as they compare: a table is looked up once per step, and
-    Enum's own ``__hash__`` is Python code, several times slower on this hot path.
+    Enum's own ``__hash__`` is Python code, a cost on this hot path (bench/RESULTS.md,
+    Design choices).
     """
 
     __hash__ = object.__hash__

@@ -74,7 +74,7 @@ def _put_ninja_on_path() -> None:
     if shutil.which("ninja") is not None:
         return
     try:
-        import ninja  # type: ignore[import-not-found, unused-ignore]
+        import ninja
     except ImportError:
         return
     bin_dir = getattr(ninja, "BIN_DIR", None)

@@ -87,11 +87,12 @@ class Sampler:
         bans = self._min_tokens_bans(states)
         uses_penalty = any(_has_penalty(p) for p in params)
         uses_bias = any(p.logit_bias for p in params)
-        constrained = [
-            row
+        active = [
+            (row, m)
             for row, s in enumerate(states)
             if (m := s.sampler_state.matcher) is not None and m.is_active
         ]
+        constrained = [row for row, _ in active]
         if all(p.is_greedy for p in params) and not (
             wants_logprobs or bans or uses_penalty or uses_bias or constrained
         ):
@@ -101,8 +102,7 @@ class Sampler:
         x = logits.to(torch.float32, copy=True)
         if constrained:
             # First, so every later step (bias, penalties, top-k/p) sees only allowed tokens.
-            matchers = [states[row].sampler_state.matcher for row in constrained]
-            self.grammar.apply(x, constrained, matchers)  # type: ignore[arg-type]
+            self.grammar.apply(x, constrained, [m for _, m in active])
         if uses_bias:
             self._apply_logit_bias(x, params)
         if bans:

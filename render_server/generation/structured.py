@@ -25,7 +25,7 @@ import llguidance
 
 from render_server.schemas.errors import ApiError
 from shared.constraints import lltokenizer_from_hf, validate
-from shared.protocol import MAX_CONSTRAINT_CHARS, Constraint
+from shared.protocol import MAX_CONSTRAINT_CHARS, Constraint, ConstraintKind
 
 if TYPE_CHECKING:
     from render_server.schemas.generation import SamplingFields
@@ -34,13 +34,13 @@ if TYPE_CHECKING:
 VALIDATION_TIMEOUT_S = 2.0
 MAX_VALIDATION_THREADS = 4
 
-_GUIDED_FIELDS = {
+_GUIDED_FIELDS: dict[str, ConstraintKind] = {
     "guided_json": "json_schema",
     "guided_regex": "regex",
     "guided_choice": "choice",
     "guided_grammar": "grammar",
 }
-_STRUCTURED_OUTPUTS_KEYS = {
+_STRUCTURED_OUTPUTS_KEYS: dict[str, ConstraintKind] = {
     "json_": "json_schema",
     "regex": "regex",
     "choice": "choice",
@@ -163,7 +163,7 @@ def _from_response_format(value: Any) -> Constraint | None:
     )
 
 
-def _constraint(kind: str, value: Any, param: str) -> Constraint:
+def _constraint(kind: ConstraintKind, value: Any, param: str) -> Constraint:
     """A Constraint of `kind` from a request value, with its size bounded."""
     if kind == "json_schema":
         if isinstance(value, str):
@@ -187,7 +187,7 @@ def _constraint(kind: str, value: Any, param: str) -> Constraint:
             f"{MAX_CONSTRAINT_CHARS} are accepted.",
             param=param,
         )
-    return Constraint(kind=kind, spec=spec)  # type: ignore[arg-type]
+    return Constraint(kind=kind, spec=spec)
 
 
 async def check_constraint(

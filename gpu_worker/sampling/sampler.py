@@ -274,9 +274,8 @@ def _exponential_(t: torch.Tensor, generator: torch.Generator | None = None) -> 
 
 def _argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """Index of each row's largest value, the first one on ties (as argmax). On CPU,
-    `max(dim)` is never slower than `argmax` over a 49k vocabulary (bench/RESULTS.md,
-    Design choices: even on an AVX2 EPYC; on an AVX-512 Xeon it was ~3x faster), and it
-    is no slower on CUDA."""
+    `max(dim)` is no slower than `argmax` over a 49k vocabulary on CPU, faster on some
+    (bench/RESULTS.md, Design choices), and no slower on CUDA."""
     return x.max(dim=-1).indices
 
 

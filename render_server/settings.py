@@ -122,6 +122,14 @@ class RenderSettings(BaseSettings):
     """On SIGTERM, /ready turns 503 and in-flight streams get this long to finish."""
     max_n: Annotated[int, Flag(metavar="N")] = Field(default=16, ge=1, le=128)
     """Largest `n` a request may ask for."""
+    request_timeout_s: float | None = Field(default=None, gt=0)
+    """Deadline of one generation request, from arrival to its last token: past it a
+    non-streamed request gets 504, a stream an error event, and the worker request is
+    aborted (default: none)."""
+    prefix_cache_isolation: Literal["none", "per-key"] = "none"
+    """per-key: salt every request's prefix-cache hashes with a digest of its API key, so
+    tenants never share cached blocks (and cannot time each other's prompts), at the cost
+    of prefix hits across keys; none: any request may reuse any cached prefix."""
 
     enable_auto_tool_choice: Annotated[bool, Flag(section="tool calling and reasoning")] = False
     """Let the model decide when to call tools (tool_choice "auto"); needs a tool call
@@ -161,8 +169,13 @@ class RenderSettings(BaseSettings):
     """Most request headers accepted; more gets 431."""
     timeout_graceful_shutdown_s: int = Field(default=10, ge=0)
     """Seconds in-flight requests get to finish on shutdown before the server stops."""
-    timeout_keep_alive_s: Annotated[int, NOT_A_FLAG] = Field(default=5, ge=1)
-    """Seconds an idle keep-alive connection stays open (environment only)."""
+    timeout_keep_alive_s: int = Field(default=5, ge=1)
+    """Seconds an idle keep-alive connection stays open before it is closed."""
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    """Time a client gets to send a request's headers; past it the connection is closed."""
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    """Time a client gets to send a request's whole body; past it 408 and the connection
+    is closed. A request counts against --max-pending only once its body is complete."""
     metrics_multiprocess_dir: Annotated[Path | None, NOT_A_FLAG] = None
     """Set by `--processes` for its children: the directory where every render process
     of the server keeps its metric values, for /metrics to sum."""

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 # The only paths served without an API key. Compared for equality against the path the
 # router will match (root_path stripped), so `/health/../x`, `//health` or `/health/`
 # are simply not public; everything not listed here needs a key (default deny).
-PUBLIC_PATHS = frozenset({"/health", "/version"})
+PUBLIC_PATHS = frozenset({"/health", "/ready", "/version"})
 
 REQUEST_ID_HEADER = b"x-request-id"
 _REQUEST_ID_MAX_CHARS = 128

@@ -5,6 +5,9 @@ looks like a dead worker.
 
 When a client's pipe is full (ROUTER_MANDATORY raises EAGAIN), its deltas are merged per
 request in its `Outbox` and retried, so no token is ever dropped.
+
+Client liveness is tracked here too (`last_heard`), for the same reason: a render server
+whose heartbeats keep arriving during a long step is alive, whatever the step's length.
 """
 
 from __future__ import annotations
@@ -108,6 +111,9 @@ class IoThread(threading.Thread):
         self.loop_alive_at = time.monotonic()
         """When the main loop last finished an iteration (a hung engine stops heartbeats)."""
         self._clients: set[bytes] = set()
+        self.last_heard: dict[bytes, float] = {}
+        """Monotonic time of each client's latest frame, stamped on arrival (this thread);
+        the main thread reads it to reap silent clients and pops the ones it forgets."""
 
     def send(self, identity: bytes, message: WorkerToRender) -> None:
         """Queue a message for a client; called from the main thread only."""
@@ -171,6 +177,7 @@ class IoThread(threading.Thread):
                 self._counters.bad_frames += 1
                 continue
             identity = frames[0].bytes
+            self.last_heard[identity] = time.monotonic()
             try:
                 message = decoder.decode(frames[1].buffer)
             except ProtocolError as exc:
@@ -191,15 +198,17 @@ class IoThread(threading.Thread):
         for identity in list(self._outboxes):
             box = self._outboxes[identity]
             try:
+                # Deltas before control messages: a Rejected that ends a request (its
+                # client was reaped) must not overtake that request's last tokens.
+                if box.deltas:
+                    message = Deltas(deltas=list(box.deltas.values()), step=box.step)
+                    self._router.send_multipart([identity, encoder.encode(message)], zmq.NOBLOCK)
+                    box.deltas.clear()
                 while box.control:
                     self._router.send_multipart(
                         [identity, encoder.encode(box.control[0])], zmq.NOBLOCK
                     )
                     box.control.popleft()
-                if box.deltas:
-                    message = Deltas(deltas=list(box.deltas.values()), step=box.step)
-                    self._router.send_multipart([identity, encoder.encode(message)], zmq.NOBLOCK)
-                    box.deltas.clear()
             except zmq.Again:
                 self._counters.send_retries += 1
             except zmq.ZMQError as exc:

@@ -4,6 +4,11 @@ The I/O thread (`gpu_worker.server.io_thread`) owns the ROUTER socket. The main 
 here drains the messages it decoded, then steps the engine, and hands one `Deltas` per
 connected client per step back to it. Client bookkeeping (Hello, duplicates, aborts of a
 client that went silent) lives here, on the main thread, beside the engine it touches.
+
+Every accepted request is acknowledged at once with an empty delta, so a render server
+can hold its HTTP answer until the request is either running here or refused. A client
+reaped for silence gets a `Rejected` ("protocol") for each request it loses: if it was
+only paused, it greets again and resends them; nothing ends without an answer.
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ class GpuReader(Protocol):
 class _Client:
     identity: bytes
     number: int
-    last_seen: float
+    joined_at: float
     request_ids: set[str] = field(default_factory=set)
     sends_heartbeats: bool = False
     """It has sent a ClientHeartbeat, so its silence means it is gone."""
@@ -118,6 +123,8 @@ class WorkerServer:
         self._owners: dict[str, tuple[bytes, str]] = {}
         self._stop = threading.Event()
         self._step = 0
+        self._acks: dict[bytes, list[RequestDelta]] = {}
+        """Empty deltas acknowledging the requests accepted in this drain, per client."""
 
     def stop(self) -> None:
         self._stop.set()
@@ -149,17 +156,24 @@ class WorkerServer:
 
     def _reap_silent_clients(self, now: float) -> None:
         """Free the requests of render processes that stopped heartbeating (killed, or
-        partitioned away), so their KV blocks do not leak."""
+        partitioned away), so their KV blocks do not leak. Silence is measured from the
+        frames the I/O thread received, so a long engine step never looks like it."""
+        last_heard = self._io.last_heard
         for client in list(self._clients.values()):
-            if client.sends_heartbeats and now - client.last_seen > self._client_timeout_s:
+            silent_s = now - last_heard.get(client.identity, client.joined_at)
+            if client.sends_heartbeats and silent_s > self._client_timeout_s:
                 logger.warning(
                     "render client %d silent for %.1fs: aborting its %d requests",
                     client.number,
-                    now - client.last_seen,
+                    silent_s,
                     len(client.request_ids),
                 )
                 self.counters.reaped_clients += 1
-                self._forget_client(client.identity)
+                self._forget_client(
+                    client.identity,
+                    notice=f"render client silent for {silent_s:.1f}s: the request was "
+                    "aborted; send Hello and resend it",
+                )
 
     def _drain_inbound(self, block_for: float) -> None:
         try:
@@ -172,7 +186,10 @@ class WorkerServer:
             try:
                 item = self._inbound.get_nowait()
             except queue.Empty:
-                return
+                break
+        for identity, acks in self._acks.items():
+            self._io.send(identity, Deltas(deltas=acks, step=self._step))
+        self._acks.clear()
 
     def _handle(self, identity: bytes, message: RenderToWorker | None) -> None:
         if message is None:
@@ -184,6 +201,7 @@ class WorkerServer:
             if client is None:
                 client = _Client(identity, next(self._client_numbers), time.monotonic())
                 self._clients[identity] = client
+                self._io.last_heard[identity] = client.joined_at
             self._io.send(
                 identity,
                 Welcome(worker_id=self.worker_id, model_card=self.engine.model_card),
@@ -194,7 +212,6 @@ class WorkerServer:
             if isinstance(message, Generate):
                 self._reject(identity, message.request_id, "protocol", "send Hello first")
             return
-        client.last_seen = time.monotonic()
         if isinstance(message, Generate):
             self._add(client, message)
         elif isinstance(message, Abort):
@@ -224,12 +241,18 @@ class WorkerServer:
             return
         self._owners[key] = (client.identity, request.request_id)
         client.request_ids.add(request.request_id)
+        ack = RequestDelta(request_id=request.request_id, new_token_ids=[])
+        self._acks.setdefault(client.identity, []).append(ack)
 
     def _reject(self, identity: bytes, request_id: str, code: RejectCode, message: str) -> None:
         self._io.send(identity, Rejected(request_id=request_id, code=code, message=message))
 
-    def _forget_client(self, identity: bytes) -> None:
+    def _forget_client(self, identity: bytes, notice: str | None = None) -> None:
+        """Abort a client's requests and forget it; with a `notice`, tell it which
+        requests were lost (it may only have been paused, and will resend them)."""
         client = self._clients.pop(identity, None)
+        self._io.last_heard.pop(identity, None)
+        self._acks.pop(identity, None)
         if client is None:
             return
         keys = [self._key(client, rid) for rid in client.request_ids]
@@ -237,6 +260,9 @@ class WorkerServer:
             self._owners.pop(key, None)
         if keys:
             self.engine.abort(keys)
+        if notice is not None:
+            for request_id in client.request_ids:
+                self._reject(identity, request_id, "protocol", notice)
 
     def _send_deltas(self, deltas: list[RequestDelta]) -> None:
         self._step += 1

@@ -5,7 +5,12 @@ socket's file descriptor is watched with `loop.add_reader`, and the callback dra
 queued frame, decodes it and fans each request's delta out to its `RequestStream` (a
 deque plus a future to wake the one consumer). A single monitor task sends
 `ClientHeartbeat`s, re-sends `Hello` to workers that have not (or no longer) answered, and
-marks a worker dead when its messages stop for `heartbeat_timeout_s`.
+marks a worker dead when its messages stop for `heartbeat_timeout_s` (but not for the
+time this process itself was paused, e.g. SIGSTOP: the silence was ours).
+
+A worker that forgot this render server (it restarted, or reaped us while we were paused)
+answers a request with `Rejected("protocol")`: the pool greets it again and resends the
+request where it stopped, so a paused render server resumes its streams.
 
 Routing policy lives in `render_server.worker_client.routing`; this module only gathers its inputs.
 Streams are in `render_server.worker_client.request_stream`, sockets in
@@ -52,6 +57,10 @@ from shared.protocol import (
 from shared.transport import CurveKeys, make_dealer
 
 logger = logging.getLogger(__name__)
+
+# Resends of one request to workers that forgot this render server: enough for a pause
+# and a worker restart, without looping against a worker that keeps dropping us.
+_MAX_RESENDS = 3
 
 __all__ = ["RequestStream", "WorkerError", "WorkerPool", "WorkerStatus"]
 
@@ -117,6 +126,8 @@ class WorkerPool:
         """Deltas for requests no longer tracked (aborted or lost), dropped."""
         self.failovers = 0
         """Requests resumed on another worker after theirs was lost."""
+        self.resends = 0
+        """Requests resent to a worker that had forgotten this render server."""
         self._curve = curve
         self._identity = uuid.uuid4().bytes
         self._encoder = Encoder()
@@ -275,15 +286,7 @@ class WorkerPool:
             return
         link.last_seen = time.monotonic()
         if isinstance(message, Deltas):
-            streams = link.streams
-            for delta in message.deltas:
-                stream = streams.get(delta.request_id)
-                if stream is None:
-                    self.unknown_deltas += 1
-                    continue
-                if delta.finish_reason is not None:
-                    del streams[delta.request_id]
-                stream.push(delta)
+            self._on_deltas(link, message)
         elif isinstance(message, Heartbeat):
             link.stats = message.stats
             link.last_heartbeat = time.time()
@@ -295,8 +298,33 @@ class WorkerPool:
             link.alive = True
             logger.warning("worker %s is back", link.address)
 
+    def _on_deltas(self, link: WorkerLink, message: Deltas) -> None:
+        streams = link.streams
+        for delta in message.deltas:
+            stream = streams.get(delta.request_id)
+            if not delta.new_token_ids and delta.finish_reason is None and not delta.error:
+                if stream is not None:  # the worker's acknowledgement: it took the request
+                    stream.acknowledge()
+                continue
+            if stream is None:
+                self.unknown_deltas += 1
+                continue
+            if delta.finish_reason is not None:
+                del streams[delta.request_id]
+            stream.push(delta)
+
     def _on_rejected(self, link: WorkerLink, rejected: Rejected) -> None:
         stream = link.streams.pop(rejected.request_id, None)
+        if rejected.code == "protocol":
+            # It does not know us (restarted, or reaped us while we were paused):
+            # introduce again, then resend on the same socket, which keeps them in order.
+            self._say_hello(link)
+            if stream is not None and stream.num_resends < _MAX_RESENDS:
+                stream.num_resends += 1
+                self.resends += 1
+                link.streams[stream.request_id] = stream
+                link.send(continuation(stream.request, stream.output_token_ids))
+                return
         if stream is not None and rejected.code == "queue_full":
             stream.num_queue_full += 1
         if stream is not None and not (
@@ -308,8 +336,6 @@ class WorkerPool:
         ):
             error = f"worker {link.address} rejected the request: {rejected.message}"
             stream.fail(WorkerError("rejected", error, reject_code=rejected.code))
-        if rejected.code == "protocol":
-            self._say_hello(link)  # it restarted and forgot us: introduce again
 
     def _on_welcome(self, link: WorkerLink, welcome: Welcome) -> None:
         card = welcome.model_card
@@ -345,9 +371,13 @@ class WorkerPool:
         # an eighth of the timeout late; heartbeats go out at their own interval.
         period = min(self.heartbeat_interval_s, self.heartbeat_timeout_s / 8)
         next_beat = time.monotonic() + self.heartbeat_interval_s  # start() sent Hello
+        last_round = time.monotonic()
         while True:
             try:
                 now = time.monotonic()
+                if now - last_round > period + self.heartbeat_timeout_s / 2:
+                    self._after_pause(now - last_round)
+                last_round = now
                 if now >= next_beat:
                     next_beat = now + self.heartbeat_interval_s
                     self._send_heartbeats()
@@ -358,6 +388,15 @@ class WorkerPool:
             except Exception:  # the monitor must outlive any bug in one round
                 logger.exception("worker monitor round failed")
             await asyncio.sleep(period)
+
+    def _after_pause(self, paused_s: float) -> None:
+        """This process did not run for `paused_s` (SIGSTOP, a VM pause, a loop stall): its
+        workers' silence over that time says nothing about them. Each gets a fresh full
+        timeout, starting with what arrived meanwhile."""
+        logger.warning("this render process was paused for %.1fs", paused_s)
+        now = time.monotonic()
+        for link in self._links:
+            link.last_seen = max(link.last_seen, now)
 
     def _send_heartbeats(self) -> None:
         beat = self._encoder.encode(ClientHeartbeat(sent_at=time.time()))

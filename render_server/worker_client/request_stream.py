@@ -53,6 +53,8 @@ class RequestStream:
 
     `request` and `output_token_ids` (everything received so far, consumed or not) are
     what a resend elsewhere needs: see `render_server.worker_client.routing.continuation`.
+    `accepted()` waits until a worker has taken the request (or it ended), so an HTTP
+    answer can wait for that before it commits to a status.
     """
 
     def __init__(self, request: Generate, link: StreamOwner) -> None:
@@ -62,6 +64,10 @@ class RequestStream:
         self.output_token_ids: list[int] = []
         self.num_queue_full = 0
         """Workers that refused it with a full queue (each is tried at most once)."""
+        self.num_resends = 0
+        """Times it was resent to a worker that had forgotten this render server."""
+        self.is_accepted = False
+        """A worker acknowledged it (or sent a delta): it runs, or ran, somewhere."""
         self.finish_reason: FinishReason | None = None
         self._link = link
         self._pending: deque[RequestDelta] = deque()
@@ -101,6 +107,26 @@ class RequestStream:
         """Stop the request on the worker; iteration then ends with finish_reason "abort"."""
         self._cancel()
 
+    async def accepted(self) -> None:
+        """Return once a worker has taken the request, or it finished or was aborted;
+        raise its `WorkerError` if it failed first."""
+        while not self.is_accepted and not self._ended:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        if self._error is not None and not self.is_accepted:
+            raise self._error
+
+    def stop(self, error: WorkerError) -> None:
+        """Abort the request on its worker and end the iteration with `error` (a deadline
+        passed, the server is going away)."""
+        if self._ended:
+            return
+        self._link.abort(self.request_id)
+        self.fail(error)
+
     async def __aenter__(self) -> RequestStream:
         return self
 
@@ -109,7 +135,14 @@ class RequestStream:
 
     # ---- called by the pool -----------------------------------------------------------
 
+    def acknowledge(self) -> None:
+        """The worker took the request (its empty first delta)."""
+        if not self.is_accepted:
+            self.is_accepted = True
+            self._wake()
+
     def push(self, delta: RequestDelta) -> None:
+        self.is_accepted = True
         self._pending.append(delta)
         self.output_token_ids.extend(delta.new_token_ids)
         if delta.finish_reason is not None:

@@ -82,6 +82,7 @@ class ChoiceProcessor:
         )
         self._buffer: list[str] = []
         self._named_id: str | None = None
+        self._num_calls = 0  # calls the tool parser sent
         self.called_tools = False
         """Some tool call was emitted: the choice's finish_reason becomes "tool_calls"."""
 
@@ -151,16 +152,13 @@ class ChoiceProcessor:
         return ToolCallDeltaOut(0, function=FunctionDeltaOut(arguments=text))
 
     def _deltas(self, message: DeltaMessage) -> list[ToolCallDeltaOut]:
+        """The parser's calls, each whole in one delta, numbered across the choice."""
         out = []
-        for delta in message.tool_calls:
-            if delta.id is not None:
-                self.called_tools = True
-            function = FunctionDeltaOut(delta.name, delta.arguments)
-            out.append(
-                ToolCallDeltaOut(
-                    delta.index, delta.id, "function" if delta.id is not None else None, function
-                )
-            )
+        for call in message.tool_calls:
+            function = FunctionDeltaOut(call.name, call.arguments)
+            out.append(ToolCallDeltaOut(self._num_calls, call.id, "function", function))
+            self._num_calls += 1
+            self.called_tools = True
         return out
 
     def whole(self, text: str) -> ChoiceResult:

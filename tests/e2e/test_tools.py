@@ -192,3 +192,39 @@ def test_reasoning_is_split_from_the_answer(tools_client: OpenAI) -> None:
         extra_body={**body, "include_reasoning": False},
     )  # fmt: skip
     assert hidden.choices[0].message.model_extra.get("reasoning_content") is None
+
+
+BROKEN_CALL = '<tool_call>{"name": "get_time", "arguments": {bad json</tool_call>'
+GOOD_CALL = '<tool_call>{"name": "get_time", "arguments": {"timezone": "UTC"}}</tool_call>'
+
+
+@pytest.mark.parametrize(
+    ("output", "calls", "finish"),
+    [
+        (BROKEN_CALL, [], "stop"),
+        (BROKEN_CALL + GOOD_CALL, [("get_time", '{"timezone": "UTC"}')], "tool_calls"),
+    ],
+    ids=["broken", "broken-then-good"],
+)
+def test_a_broken_tool_call_stays_content(
+    tools_client: OpenAI, output: str, calls: list[tuple[str, str]], finish: str
+) -> None:
+    """The model is made to write `output` (a choice of one string); a call whose JSON
+    breaks is content, streamed or not, and only a well-formed call is a tool call."""
+    request = {
+        "model": MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": "auto",
+        "max_tokens": 80, "temperature": 0,
+        "extra_body": {"structured_outputs": {"choice": [output]}},
+    }  # fmt: skip
+    choice = tools_client.chat.completions.create(**request).choices[0]
+    whole = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    assert (choice.message.content, whole, choice.finish_reason) == (BROKEN_CALL, calls, finish)
+    content, streamed_calls, streamed_finish = [], [], None
+    for chunk in tools_client.chat.completions.create(**request, stream=True):
+        for streamed in chunk.choices:
+            streamed_finish = streamed.finish_reason or streamed_finish
+            content.append(streamed.delta.content or "")
+            streamed_calls += [
+                (c.function.name, c.function.arguments) for c in streamed.delta.tool_calls or []
+            ]
+    assert ("".join(content), streamed_calls, streamed_finish) == (BROKEN_CALL, calls, finish)

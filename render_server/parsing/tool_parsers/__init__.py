@@ -2,7 +2,7 @@
 
     parser = get_tool_parser("hermes")(request_tools)  # one instance per choice
     for text in deltas:
-        message = parser.feed(text)  # DeltaMessage: content and ToolCallDelta pieces
+        message = parser.feed(text)  # DeltaMessage: content, and calls that became whole
     message = parser.finish()
 
 or, for a whole output, ``parser.extract(text)`` -> `ExtractedToolCalls`.
@@ -15,7 +15,6 @@ from render_server.parsing.tool_parsers.base import (
     DeltaMessage,
     ExtractedToolCalls,
     ToolCall,
-    ToolCallDelta,
     ToolParser,
     Tools,
 )
@@ -49,7 +48,6 @@ __all__ = [
     "DeltaMessage",
     "ExtractedToolCalls",
     "ToolCall",
-    "ToolCallDelta",
     "ToolParser",
     "Tools",
     "UnknownToolParserError",

@@ -6,15 +6,15 @@ implementation: `feed` takes each new piece of model text and returns what becam
 the non-streamed result is the streamed one, however the text was split, by construction.
 
 Rules every format follows:
-- A call is announced only once it is certain: its name is complete and a known tool, and
-  its arguments object has begun. Before that, its text is held back; if it turns out not to
-  be a call, the held text is sent as content, verbatim.
-- Argument text is sent as the model's own characters as they are scanned, each fragment
-  extending a valid JSON prefix (raw control characters inside strings are sent escaped).
-  Nothing is invented: no closing quotes or braces are ever added.
-- An announced call is never taken back. If its arguments are cut off (end of output) or
-  break (malformed JSON), it keeps the argument text sent so far, and the text from the
-  offending character on is content.
+- A call is sent only once it is well formed: its name is a known tool and its arguments are
+  complete and valid (a JSON object, or literals that make one). It is then sent whole, in one
+  delta with its id, name and arguments. Before that, its text is held back.
+- Text that turns out not to be a well-formed call (bad JSON, an unknown name, output cut off
+  inside the call) is content, verbatim, as vLLM leaves it. A call is never taken back, so it
+  cannot be sent earlier: streaming the arguments as they come would commit to a call whose
+  JSON may still break, and the stream would then disagree with the whole result.
+- JSON arguments are the model's own characters (raw control characters inside strings are
+  sent escaped, so that they are valid JSON); nothing is invented or reformatted.
 - Whitespace between content and a call, between calls, and after the last call is dropped,
   so a reply that is only calls has no content. Text after a call keeps the whitespace that
   leads it, so "A <call> B" gives the content "A B".
@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import secrets
 import string
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, ClassVar
 
-from render_server.parsing.tool_parsers.json_scan import WHITESPACE
+from render_server.parsing.tool_parsers.json_scan import WHITESPACE, StateEnum
 
 _ALPHANUMERIC = string.ascii_letters + string.digits
 # A random byte below 248 (4 x 62) maps to one of 62 characters, each equally likely.
@@ -50,10 +50,8 @@ class Status(Enum):
 
 @dataclass
 class ToolCall:
-    """One complete tool call; ``arguments`` is the JSON text of an object, as OpenAI sends it.
-
-    ``arguments`` is not valid JSON only when the output ended (or broke) inside it.
-    """
+    """One well-formed tool call; ``arguments`` is the JSON text of an object, as OpenAI
+    sends it."""
 
     id: str
     name: str
@@ -69,23 +67,12 @@ class ExtractedToolCalls:
 
 
 @dataclass
-class ToolCallDelta:
-    """A streamed piece of call ``index``: its first delta has ``id`` and ``name`` (the whole
-    name), later ones only ``arguments`` fragments. The first may already carry arguments."""
-
-    index: int
-    id: str | None = None
-    name: str | None = None
-    arguments: str | None = None
-
-
-@dataclass
 class DeltaMessage:
-    """What one `feed` or `finish` made certain: content text and call pieces, at most one
-    `ToolCallDelta` per index, in index order."""
+    """What one `feed` or `finish` made certain: content text and the calls that became
+    well formed, each whole, in output order."""
 
     content: str | None = None
-    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -129,11 +116,17 @@ class ToolParser:
     """Base of the tool-call parsers: one instance per choice of one request.
 
     ``tools`` are the request's tool definitions (OpenAI shape); a call to a name not among
-    them is not a call but content. ``tools=None`` accepts any name. Subclasses implement
-    `_consume`, a state machine over each new text, with the helpers below.
+    them is not a call but content. ``tools=None`` accepts any name.
+
+    A subclass is a state machine: ``_state`` is its current state and ``_STEPS`` maps each
+    state to a step, ``step(self, text, pos, final) -> int``, which advances over ``text``
+    from ``pos`` with the helpers below and returns the next position, or -1 once the text
+    is used up (with ``final``, only once nothing is held back).
     """
 
     name: ClassVar[str] = ""
+    _STEPS: ClassVar[Mapping[Any, Callable[[Any, str, int, bool], int]]]
+    _state: StateEnum
 
     def __init__(self, tools: Tools = None) -> None:
         self.tools = list(tools) if tools is not None else None
@@ -141,17 +134,15 @@ class ToolParser:
         # Text a state needs to see again with the next piece (a partial tag); it is never
         # longer than a tag, and an attempt (below) never has one.
         self._tail = ""
-        # The current attempt: text that may be a call, not yet announced. It started at
+        # The current attempt: text that may be a call, not yet sent. It started at
         # self._attempt_from in the text being consumed, and earlier texts are in _pending.
         self._attempt_from: int | None = None
         self._pending: list[str] = []
-        self._num_calls = 0
-        self._index = -1  # the call being streamed
         # Trailing whitespace of the content, not sent yet: a call starting next drops it.
         self._ws_hold: list[str] = []
         self._ws_after_call = False  # ... and the end of the output drops it after a call
         self._content: list[str] = []
-        self._deltas: list[ToolCallDelta] = []
+        self._calls: list[ToolCall] = []
         self._finished = False
 
     # -- public API ----------------------------------------------------------------------
@@ -194,19 +185,17 @@ class ToolParser:
         for message in (parser.feed(text), parser.finish()):
             if message.content:
                 content.append(message.content)
-            for delta in message.tool_calls:
-                if delta.index == len(calls):
-                    assert delta.id is not None and delta.name is not None
-                    calls.append(ToolCall(delta.id, delta.name, ""))
-                calls[delta.index].arguments += delta.arguments or ""
+            calls += message.tool_calls
         return ExtractedToolCalls("".join(content) or None, calls)
 
     # -- for subclasses ------------------------------------------------------------------
 
     def _consume(self, text: str, final: bool) -> None:
-        """Advance over ``text`` (the held tail plus the new piece). With ``final``, nothing
-        may stay held: every attempt is resolved into a call or content."""
-        raise NotImplementedError
+        """Advance over ``text`` (the held tail plus the new piece), a step at a time. With
+        ``final``, nothing may stay held: every attempt is resolved into a call or content."""
+        pos = 0
+        while pos >= 0:
+            pos = self._STEPS[self._state](self, text, pos, final)
 
     def _new_call_id(self) -> str:
         return "call_" + random_alphanumeric(24)
@@ -229,42 +218,28 @@ class ToolParser:
         self._attempt_from = pos
 
     def _fail_attempt(self, text: str, pos: int) -> None:
-        """The attempt is not a call: everything it held, up to ``pos``, is content."""
+        """The attempt is not a well-formed call: everything it held, up to ``pos``, is
+        content."""
         assert self._attempt_from is not None
         held = "".join(self._pending) + text[self._attempt_from : pos]
         self._attempt_from = None
         self._pending.clear()
         self._emit_content(held)
 
-    def _start_call(self, name: str) -> None:
-        """Announce a call: its held text is now the call, and whitespace before it goes."""
+    def _add_call(self, name: str, arguments: str) -> None:
+        """The attempt is a well-formed call: send it, and drop the whitespace before it."""
         self._attempt_from = None
         self._pending.clear()
         self._ws_hold.clear()
-        self._index = self._num_calls
-        self._num_calls += 1
-        self._deltas.append(ToolCallDelta(self._index, self._new_call_id(), name))
-
-    def _emit_args(self, fragment: str) -> None:
-        if fragment:
-            self._deltas.append(ToolCallDelta(self._index, arguments=fragment))
-
-    def _end_call(self) -> None:
         self._ws_after_call = True
+        self._calls.append(ToolCall(self._new_call_id(), name, arguments))
 
     def _drop_held_ws(self) -> None:
         """The held whitespace lies inside a call block (before its closing tag): drop it."""
         self._ws_hold.clear()
 
     def _take(self) -> DeltaMessage:
-        content = "".join(self._content) or None
+        message = DeltaMessage("".join(self._content) or None, self._calls)
         self._content.clear()
-        merged: list[ToolCallDelta] = []
-        for delta in self._deltas:
-            if merged and merged[-1].index == delta.index:
-                last = merged[-1]
-                last.arguments = (last.arguments or "") + (delta.arguments or "")
-            else:
-                merged.append(delta)
-        self._deltas.clear()
-        return DeltaMessage(content, merged)
+        self._calls = []
+        return message

@@ -14,17 +14,18 @@ tag is content.
 
 from __future__ import annotations
 
-from enum import Enum
+from collections.abc import Callable
+from typing import ClassVar
 
 from render_server.parsing.tool_parsers.base import Status, ToolParser, Tools, partial_tag_len
 from render_server.parsing.tool_parsers.json_call import JsonCallReader
-from render_server.parsing.tool_parsers.json_scan import skip_ws
+from render_server.parsing.tool_parsers.json_scan import StateEnum, skip_ws
 
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
 
 
-class _State(Enum):
+class _State(StateEnum):
     CONTENT = 1
     CALL = 2  # inside <tool_call>, reading the object
     CLOSE = 3  # after the object: whitespace, then maybe </tool_call>
@@ -40,50 +41,54 @@ class HermesToolParser(ToolParser):
         self._state = _State.CONTENT
         self._reader: JsonCallReader | None = None
 
-    def _consume(self, text: str, final: bool) -> None:
-        pos = 0
-        while True:
-            if self._state is _State.CONTENT:
-                start = text.find(OPEN_TAG, pos)
-                if start < 0:
-                    keep = 0 if final else partial_tag_len(text, pos, OPEN_TAG)
-                    self._emit_content(text[pos : len(text) - keep])
-                    self._tail = text[len(text) - keep :]
-                    return
-                body = skip_ws(text, start + len(OPEN_TAG))
-                if body < len(text) and text[body] != "{":
-                    # Plainly not a call (the reader would fail right here): skip the attempt.
-                    self._emit_content(text[pos:body])
-                    pos = body
-                    continue
-                self._emit_content(text[pos:start])
-                self._begin_attempt(start)
-                self._reader = JsonCallReader(self.is_known_tool, self._start_call, self._emit_args)
-                self._state = _State.CALL
-                pos = start + len(OPEN_TAG)
-            elif self._state is _State.CALL:
-                assert self._reader is not None
-                pos, status = self._reader.feed(text, pos)
-                if status is Status.NEED_MORE and not final:
-                    return
-                if self._reader.committed:
-                    self._end_call()
-                    ok = status is Status.DONE
-                    self._state = _State.CLOSE if ok else _State.CONTENT
-                else:
-                    self._fail_attempt(text, pos)
-                    self._state = _State.CONTENT
-                self._reader = None
-                if status is Status.NEED_MORE:  # final: the output ended inside the call
-                    return
-            else:  # _State.CLOSE
-                start = skip_ws(text, pos)
-                self._emit_content(text[pos:start])  # held: content only if no tag follows
-                pos = start
-                if text.startswith(CLOSE_TAG, pos):
-                    self._drop_held_ws()
-                    pos += len(CLOSE_TAG)
-                elif not final and CLOSE_TAG.startswith(text[pos:]):
-                    self._tail = text[pos:]  # empty, or the closing tag's beginning
-                    return
-                self._state = _State.CONTENT
+    def _step_content(self, text: str, pos: int, final: bool) -> int:
+        start = text.find(OPEN_TAG, pos)
+        if start < 0:
+            keep = 0 if final else partial_tag_len(text, pos, OPEN_TAG)
+            self._emit_content(text[pos : len(text) - keep])
+            self._tail = text[len(text) - keep :]
+            return -1
+        body = skip_ws(text, start + len(OPEN_TAG))
+        if body < len(text) and text[body] != "{":
+            # Plainly not a call (the reader would fail right here): skip the attempt.
+            self._emit_content(text[pos:body])
+            return body
+        self._emit_content(text[pos:start])
+        self._begin_attempt(start)
+        self._reader = JsonCallReader(self.is_known_tool)
+        self._state = _State.CALL
+        return start + len(OPEN_TAG)
+
+    def _step_call(self, text: str, pos: int, final: bool) -> int:
+        assert self._reader is not None
+        pos, status = self._reader.feed(text, pos)
+        if status is Status.NEED_MORE and not final:
+            return -1
+        if status is Status.DONE:
+            self._add_call(*self._reader.call)
+            self._state = _State.CLOSE
+        else:  # not a call, or the output ended inside it
+            self._fail_attempt(text, pos)
+            self._state = _State.CONTENT
+        self._reader = None
+        return pos
+
+    def _step_close(self, text: str, pos: int, final: bool) -> int:
+        start = skip_ws(text, pos)
+        self._emit_content(text[pos:start])  # held: content only if no tag follows
+        pos = start
+        if text.startswith(CLOSE_TAG, pos):
+            self._drop_held_ws()
+            pos += len(CLOSE_TAG)
+        elif not final and CLOSE_TAG.startswith(text[pos:]):
+            self._tail = text[pos:]  # empty, or the closing tag's beginning
+            return -1
+        self._state = _State.CONTENT
+        return pos
+
+    # The state -> step table (plain functions: `_consume` passes self).
+    _STEPS: ClassVar[dict[_State, Callable[[HermesToolParser, str, int, bool], int]]] = {
+        _State.CONTENT: _step_content,
+        _State.CALL: _step_call,
+        _State.CLOSE: _step_close,
+    }

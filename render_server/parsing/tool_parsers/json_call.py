@@ -1,7 +1,7 @@
 """Reading one JSON call object, ``{"name": "f", "arguments": {...}}``, a chunk at a time.
 
-Shared by the JSON formats (hermes, llama3_json, mistral's array shape): it announces the call
-as soon as it is certain and streams the arguments' characters as they are scanned.
+Shared by the JSON formats (hermes, llama3_json, mistral's array shape): it says when the
+object closes as a well-formed call, and fails at the first character that rules one out.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ class _R(StateEnum):
     IN_ARGS = 8
     IN_OTHER = 9  # a member the call does not use: checked and skipped
     NEXT = 10  # "," or "}"
+    DONE = 11  # the object closed as a call
 
 
 # What a reader's step returns: the next position, and None to go on or the Status that ends
@@ -41,32 +42,31 @@ _Outcome = tuple[int, Status | None]
 class JsonCallReader:
     """Reads one call object, ``{"name": "f", "arguments": {...}}``, a chunk at a time.
 
-    The call is announced (``commit(name)``) once the name is a known tool and its arguments
-    object has begun, then the arguments' characters are streamed (``emit_args``) as they are
-    scanned. When "name" comes after the arguments, the arguments are held until the object
-    closes. Members other than the name and the arguments are checked and ignored; a missing
-    arguments member means ``{}``. Before the commit, a failure means the text was not a call;
-    after it, the call stands with the arguments sent so far (``committed`` tells which).
+    `feed` ends with DONE once the object closes as a well-formed call: a known tool's name,
+    and an arguments object (a missing one means ``{}``); then `call` is (name, arguments).
+    Members other than the name and the arguments are checked and ignored. It ends with
+    FAILED at the first character that rules a well-formed call out, an unknown name as soon
+    as the name is read.
     """
 
     def __init__(
         self,
         is_known: Callable[[str], bool],
-        commit: Callable[[str], None],
-        emit_args: Callable[[str], None],
         args_keys: tuple[str, ...] = ("arguments", "parameters"),
     ) -> None:
         self._is_known = is_known
-        self._commit = commit
-        self._emit_args = emit_args
         self._args_keys = args_keys
         self._state = _R.OPEN
         self._scanner: JsonValueScanner | None = None
         self._key = ""
         self._name: str | None = None
-        self._held_args: str | None = None  # arguments seen before the name
-        self._seen_args = False
-        self.committed = False
+        self._arguments: str | None = None
+
+    @property
+    def call(self) -> tuple[str, str]:
+        """The call's name and arguments text, once `feed` returned DONE."""
+        assert self._name is not None and self._state is _R.DONE
+        return self._name, "{}" if self._arguments is None else self._arguments
 
     def feed(self, text: str, pos: int) -> tuple[int, Status]:
         # Invariant: a scanner exists exactly in the IN_* states, and reads their key or value;
@@ -88,9 +88,7 @@ class JsonCallReader:
         try:
             end = self._scanner.feed(text, pos)
         except JsonScanError as exc:
-            self._drain_args()
             return exc.pos, Status.FAILED
-        self._drain_args()
         if end < 0:
             return len(text), Status.NEED_MORE
         return end, None if self._value_done() else Status.FAILED
@@ -160,13 +158,10 @@ class JsonCallReader:
             self._state = _R.IN_NAME
             self._scanner = JsonValueScanner(collect=True)
         elif self._key in self._args_keys:
-            if self._seen_args or ch != "{":
+            if self._arguments is not None or ch != "{":
                 return False
-            self._seen_args = True
             self._state = _R.IN_ARGS
             self._scanner = JsonValueScanner(collect=True, require_object=True)
-            if self._name is not None:
-                self._commit_now()
         else:
             self._state = _R.IN_OTHER
             self._scanner = JsonValueScanner()
@@ -184,8 +179,8 @@ class JsonCallReader:
             self._name = json.loads(scanner.take_output())
             if not self._name_is_ok():
                 return False
-        elif self._state is _R.IN_ARGS and not self.committed:
-            self._held_args = scanner.take_output()
+        elif self._state is _R.IN_ARGS:
+            self._arguments = scanner.take_output()
         self._state = _R.NEXT
         return True
 
@@ -194,22 +189,8 @@ class JsonCallReader:
         return self._is_known(self._name)
 
     def _close(self, pos: int) -> tuple[int, Status]:
-        """The object closes at ``pos``: commit now if the name came last or there were no
-        arguments."""
+        """The object closes at ``pos``: a call if it named one."""
         if self._name is None:
             return pos, Status.FAILED
-        if not self.committed:
-            self._commit_now()
-            self._emit_args(self._held_args if self._held_args is not None else "{}")
+        self._state = _R.DONE
         return pos + 1, Status.DONE
-
-    def _commit_now(self) -> None:
-        assert self._name is not None
-        self.committed = True
-        self._commit(self._name)
-
-    def _drain_args(self) -> None:
-        if self._state is _R.IN_ARGS and self.committed and self._scanner is not None:
-            text = self._scanner.take_output()
-            if text:
-                self._emit_args(text)

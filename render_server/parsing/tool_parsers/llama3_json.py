@@ -40,15 +40,8 @@ class Llama3JsonToolParser(ToolParser):
 
     def _open_call(self, pos: int) -> None:
         self._begin_attempt(pos)
-        self._reader = JsonCallReader(self.is_known_tool, self._start_call, self._emit_args)
+        self._reader = JsonCallReader(self.is_known_tool)
         self._state = _State.CALL
-
-    def _consume(self, text: str, final: bool) -> None:
-        # Each step advances from pos in its state (`_STEPS`) and returns the next position,
-        # or -1 once the text is used up (with ``final``, only once nothing is held).
-        pos = 0
-        while pos >= 0:
-            pos = self._STEPS[self._state](self, text, pos, final)
 
     def _step_start(self, text: str, pos: int, final: bool) -> int:
         start = skip_ws(text, pos)
@@ -73,14 +66,14 @@ class Llama3JsonToolParser(ToolParser):
         pos, status = self._reader.feed(text, pos)
         if status is Status.NEED_MORE and not final:
             return -1
-        if self._reader.committed:
-            self._end_call()
-            self._state = _State.AFTER if status is Status.DONE else _State.PROSE
-        else:
+        if status is Status.DONE:
+            self._add_call(*self._reader.call)
+            self._state = _State.AFTER
+        else:  # not a call, or the output ended inside it
             self._fail_attempt(text, pos)
             self._state = _State.PROSE
         self._reader = None
-        return -1 if status is Status.NEED_MORE else pos  # NEED_MORE: the output ended
+        return pos
 
     def _step_after(self, text: str, pos: int, final: bool) -> int:
         start = skip_ws(text, pos)

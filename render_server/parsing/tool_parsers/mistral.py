@@ -69,13 +69,7 @@ class MistralToolParser(ToolParser):
     def _new_call_id(self) -> str:
         return random_alphanumeric(9)
 
-    def _consume(self, text: str, final: bool) -> None:
-        # Each step advances from pos in its state (`_STEPS`) and returns the next position,
-        # or -1 once the text is used up (with ``final``, only once nothing is held). An
-        # attempt is open from SECTION on until the call is announced or given back.
-        pos = 0
-        while pos >= 0:
-            pos = self._STEPS[self._state](self, text, pos, final)
+    # An attempt is open from SECTION on until its call is sent or given back.
 
     def _step_content(self, text: str, pos: int, final: bool) -> int:
         n = len(text)
@@ -105,7 +99,7 @@ class MistralToolParser(ToolParser):
         if _name_end(text, pos) > pos:
             self._state, self._name_parts = _State.NAME, []
             return pos
-        return self._stop(text, pos, committed=False)
+        return self._stop(text, pos)
 
     # -- the array shape -------------------------------------------------------------------
 
@@ -113,13 +107,11 @@ class MistralToolParser(ToolParser):
         assert self._reader is not None
         pos, status = self._reader.feed(text, pos)
         if status is Status.NEED_MORE:
-            if final:
-                self._stop(text, len(text), self._reader.committed)
-            return -1
-        committed, self._reader = self._reader.committed, None
+            return self._out_of_text(text, final)
+        reader, self._reader = self._reader, None
         if status is Status.FAILED:
-            return self._stop(text, pos, committed)
-        self._end_call()
+            return self._stop(text, pos)
+        self._add_call(*reader.call)
         self._state = _State.ARRAY_NEXT
         return pos
 
@@ -137,7 +129,7 @@ class MistralToolParser(ToolParser):
         return start + 1 if text[start] in ",]" else start
 
     def _open_element(self) -> None:
-        self._reader = JsonCallReader(self.is_known_tool, self._start_call, self._emit_args)
+        self._reader = JsonCallReader(self.is_known_tool)
         self._state = _State.ELEMENT
 
     # -- the [ARGS] shape ------------------------------------------------------------------
@@ -149,7 +141,7 @@ class MistralToolParser(ToolParser):
             return self._out_of_text(text, final)
         name = "".join(self._name_parts)
         if text[end] != "[" or not name or not self.is_known_tool(name):
-            return self._stop(text, end, committed=False)
+            return self._stop(text, end)
         self._state, self._matched = _State.ARGS_TAG, 0
         return end
 
@@ -157,7 +149,7 @@ class MistralToolParser(ToolParser):
         n = len(text)
         while pos < n and self._matched < len(ARGS_TAG):
             if text[pos] != ARGS_TAG[self._matched]:
-                return self._stop(text, pos, committed=False)
+                return self._stop(text, pos)
             pos += 1
             self._matched += 1
         if self._matched < len(ARGS_TAG):
@@ -170,8 +162,7 @@ class MistralToolParser(ToolParser):
         if pos == len(text):
             return self._out_of_text(text, final)
         if text[pos] != "{":
-            return self._stop(text, pos, committed=False)
-        self._start_call("".join(self._name_parts))
+            return self._stop(text, pos)
         self._scanner = JsonValueScanner(collect=True, require_object=True)
         self._state = _State.ARGS
         return pos
@@ -181,16 +172,12 @@ class MistralToolParser(ToolParser):
         try:
             end = self._scanner.feed(text, pos)
         except JsonScanError as exc:
-            self._emit_args(self._scanner.take_output())
             self._scanner = None
-            return self._stop(text, exc.pos, committed=True)
-        self._emit_args(self._scanner.take_output())
+            return self._stop(text, exc.pos)
         if end < 0:
-            if final:
-                self._stop(text, len(text), committed=True)
-            return -1
-        self._scanner = None
-        self._end_call()
+            return self._out_of_text(text, final)
+        scanner, self._scanner = self._scanner, None
+        self._add_call("".join(self._name_parts), scanner.take_output())
         self._state = _State.CONTENT
         return end
 
@@ -207,17 +194,14 @@ class MistralToolParser(ToolParser):
     }
 
     def _out_of_text(self, text: str, final: bool) -> int:
-        """The text ran out before the call was announced: wait, or give it back at the end."""
+        """The text ran out inside a call not yet sent: wait, or give it back at the end."""
         if final:
-            self._stop(text, len(text), committed=False)
+            self._stop(text, len(text))
         return -1
 
-    def _stop(self, text: str, pos: int, committed: bool) -> int:
-        """End the section at ``pos``: close the announced call, or give the attempt back as
-        content. Scanning goes on at text[pos] as content."""
-        if committed:
-            self._end_call()
-        else:
-            self._fail_attempt(text, pos)
+    def _stop(self, text: str, pos: int) -> int:
+        """Not a well-formed call: give the attempt back as content, up to ``pos``, where
+        scanning goes on as content."""
+        self._fail_attempt(text, pos)
         self._state = _State.CONTENT
         return pos

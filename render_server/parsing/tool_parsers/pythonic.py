@@ -5,9 +5,8 @@
 
 Calls are recognised only at the start of the output (after whitespace and an optional
 ``<|python_start|>``). Arguments are keyword arguments whose values are Python literals;
-they are read with `ast` (parsed, never evaluated) and sent as JSON. Since Python text is
-not JSON, a call is announced whole, name and arguments together, when its ``)`` arrives.
-Text after the list (and ``<|python_end|>``) is content.
+they are read with `ast` (parsed, never evaluated) and sent as JSON. Text after the list
+(and ``<|python_end|>``) is content.
 """
 
 from __future__ import annotations
@@ -72,13 +71,7 @@ class PythonicToolParser(ToolParser):
         self._quotes = 0  # quotes counted in a row (opening, or closing a long string)
         self._escape = False
 
-    def _consume(self, text: str, final: bool) -> None:
-        # Each step advances from pos in its state (`_STEPS`) and returns the next position,
-        # or -1 once the text is used up (with ``final``, only once nothing is held). An
-        # attempt is open from ELEMENT (or OPEN) until the call is announced or given up.
-        pos = 0
-        while pos >= 0:
-            pos = self._STEPS[self._state](self, text, pos, final)
+    # An attempt is open from ELEMENT (or OPEN) until its call is sent or given up.
 
     def _step_start(self, text: str, pos: int, final: bool) -> int:
         start = skip_ws(text, pos)
@@ -188,20 +181,17 @@ class PythonicToolParser(ToolParser):
     }
 
     def _close_call(self, text: str, end: int) -> int:
-        """The call's ``)`` is at end - 1: announce it if it is a valid literal call."""
+        """The call's ``)`` is at end - 1: send it if it is a valid literal call."""
         parsed = parse_call("".join(self._call))
         self._call = []
         if parsed is None:
             return self._give_up(text, end)
-        name, arguments = parsed
-        self._start_call(name)
-        self._emit_args(arguments)
-        self._end_call()
+        self._add_call(*parsed)
         self._state = _State.AFTER
         return end
 
     def _out_of_text(self, text: str, final: bool) -> int:
-        """The text ran out inside a call not yet announced: wait, or give it back at the end."""
+        """The text ran out inside a call not yet sent: wait, or give it back at the end."""
         if final:
             self._give_up(text, len(text))
         return -1

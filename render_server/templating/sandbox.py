@@ -15,12 +15,17 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.compiler import CodeGenerator, Frame
 from jinja2.filters import do_format as _format_filter
+from jinja2.filters import make_attrgetter
 from jinja2.runtime import Context, LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from render_server.templating.errors import ChatTemplateError, ChatTemplateTooLarge
 
-_MAX_POWER_BITS = 1 << 16
+# Every integer a template holds stays within this many bits: arithmetic on bigger ones is
+# one C call (Karatsuba multiplication, quadratic division) that runs for seconds holding
+# the GIL, so neither the deadline nor the event loop gets a turn. At this size the slowest
+# operation, a division, takes about a millisecond.
+_MAX_INT_BITS = 1 << 16
 # Exact types whose attribute safety depends on the attribute name alone, so the sandbox's
 # answer can be remembered per (type, name).
 _PLAIN_ATTR_TYPES = frozenset({dict, list, tuple, str, int, float, bool, type(None), LoopContext})
@@ -46,6 +51,23 @@ def _tojson(
     return json.dumps(
         value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
+
+
+@jinja2.pass_context
+def _sum(
+    context: Context, iterable: Iterable[Any], attribute: str | int | None = None, start: Any = 0
+) -> Any:
+    """jinja's `sum`, one checked `+` at a time: the builtin adds a whole list in one C call
+    that neither the size checks nor the deadline can stop (`[[0] * 4000] * 4000 | sum([])`
+    copies 32 billion items)."""
+    environment = context.environment
+    assert isinstance(environment, SandboxEnvironment)
+    if attribute is not None:
+        iterable = map(make_attrgetter(environment, attribute), iterable)
+    total = start
+    for item in iterable:
+        total = environment.call_binop(context, "+", total, item)
+    return total
 
 
 class _TemplateDict:
@@ -121,11 +143,13 @@ _PASSED_ARGS = (jinja2.Environment, Context, jinja2.nodes.EvalContext)
 class SandboxEnvironment(ImmutableSandboxedEnvironment):
     """The immutable sandbox with transformers' globals, plus size checks wherever one C call
     could build a huge value, which no deadline can interrupt: `'a' * 10**9`, `7 ** 10**8`,
-    doubling by `~` or `+`, and any call or filter given a count or width past the budget
-    (`'a'.ljust(10**9)`, `x | center(10**9)`, `'%0999999999d' % 1`)."""
+    doubling by `~` or `+`, any call or filter given a count or width past the budget
+    (`'a'.ljust(10**9)`, `x | center(10**9)`, `'%0999999999d' % 1`), and any integer past
+    `_MAX_INT_BITS`, whether arithmetic, a call or a filter made it (squaring a number over
+    and over, `'f' * 10**6 | int(base=16)`)."""
 
     code_generator_class = _BudgetCodeGenerator
-    intercepted_binops = frozenset({"+", "*", "**", "%"})
+    intercepted_binops = frozenset({"+", "-", "*", "/", "//", "%", "**"})
 
     def __init__(self, max_value_chars: int) -> None:
         super().__init__(
@@ -135,7 +159,7 @@ class SandboxEnvironment(ImmutableSandboxedEnvironment):
         )
         self.max_value_chars = max_value_chars
         self._safe_attrs: dict[tuple[type, str], bool] = {}
-        self.filters["tojson"] = _tojson
+        self.filters.update(tojson=_tojson, sum=_sum)
         self.filters = {name: self._bounded_filter(fn) for name, fn in self.filters.items()}
         self.globals.update(
             raise_exception=_raise_exception,
@@ -149,6 +173,17 @@ class SandboxEnvironment(ImmutableSandboxedEnvironment):
             raise ChatTemplateTooLarge(
                 f"chat template built a value of {size} items (the limit is {self.max_value_chars})"
             )
+
+    @staticmethod
+    def _check_bits(bits: int) -> None:
+        if bits > _MAX_INT_BITS:
+            raise ChatTemplateTooLarge(
+                f"chat template computed a number of more than {_MAX_INT_BITS} bits"
+            )
+
+    def _check_number(self, value: Any) -> None:
+        if isinstance(value, int):
+            self._check_bits(value.bit_length())
 
     def _check_ints(self, values: Iterable[Any]) -> None:
         for value in values:
@@ -166,7 +201,9 @@ class SandboxEnvironment(ImmutableSandboxedEnvironment):
             if fn is _format_filter and values:
                 self._check_format(values[0])
             self._check_ints([*values[1:], *kwargs.values()])  # the filtered value may be big
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            self._check_number(result)
+            return result
 
         return bounded
 
@@ -186,7 +223,9 @@ class SandboxEnvironment(ImmutableSandboxedEnvironment):
         __self._check_ints([*args, *kwargs.values()])
         # The sandbox's str.format wrapper keeps the format string as __wrapped__.__self__.
         __self._check_format(getattr(getattr(__obj, "__wrapped__", None), "__self__", None))
-        return super().call(__context, __obj, *args, **kwargs)
+        result = super().call(__context, __obj, *args, **kwargs)
+        __self._check_number(result)  # (1).from_bytes(...) builds one from any bytes
+        return result
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         if operator == "+" and type(left) is str and type(right) is str:  # most of any template
@@ -194,9 +233,15 @@ class SandboxEnvironment(ImmutableSandboxedEnvironment):
                 self._check_size(len(left) + len(right))
             return left + right
         sized = (str, list, tuple)
-        if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
-            if abs(left).bit_length() * right > _MAX_POWER_BITS:
-                raise ChatTemplateTooLarge("chat template computed a number too large to hold")
+        if isinstance(left, int) and isinstance(right, int):
+            self._check_number(left)
+            self._check_number(right)
+            # The fewest bits the result can have, checked before the C call that would take
+            # seconds to make it; what it makes (at most twice the limit) is checked after.
+            if operator == "**" and right > 0:
+                self._check_bits((abs(left).bit_length() - 1) * right + 1)
+            elif operator == "*":
+                self._check_bits(left.bit_length() + right.bit_length() - 1)
         elif operator == "*":
             for seq, count in ((left, right), (right, left)):
                 if isinstance(seq, sized) and isinstance(count, int):
@@ -205,7 +250,9 @@ class SandboxEnvironment(ImmutableSandboxedEnvironment):
             self._check_size(len(left) + len(right))
         elif operator == "%":
             self._check_format(left)
-        return super().call_binop(context, operator, left, right)
+        result = super().call_binop(context, operator, left, right)
+        self._check_number(result)  # `+` and `-` grow one bit at a time
+        return result
 
     def checked_concat(self, values: tuple[Any, ...]) -> str:
         parts = [str(value) for value in values]

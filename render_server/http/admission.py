@@ -2,7 +2,10 @@
 
 A pure ASGI middleware around /v1/chat/completions and /v1/completions:
 - at most `max_pending` of them in flight per render process; beyond that 429 with
-  Retry-After, so a load balancer or client backs off instead of piling up;
+  Retry-After, so a load balancer or client backs off instead of piling up. A request
+  counts only once its body is complete: its body is read first (within --body-timeout,
+  which the connection enforces) and replayed to the app, so clients trickling their
+  bodies in cannot fill the slots and turn every other request into a 429;
 - once draining (SIGTERM), new ones get 503 while the in-flight ones finish;
 - every body write to the client must complete within `write_timeout_s`: a client that
   stops reading is cut off, which cancels its stream and aborts its worker request, so it
@@ -57,6 +60,39 @@ class Admission:
             self._idle.set()
 
 
+async def read_body(receive: Receive) -> bytes | None:
+    """The whole request body, or None if the client disconnected first."""
+    message = await receive()
+    if message["type"] != "http.request":
+        return None
+    body: bytes = message.get("body", b"")
+    if not message.get("more_body", False):
+        return body  # the usual case: the body came in one piece
+    chunks = [body]
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def replay(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that hands out `body` (already read) once, then defers to `receive`,
+    which then reports the client's disconnect as usual."""
+    pending = True
+
+    async def replayed() -> Message:
+        nonlocal pending
+        if pending:
+            pending = False
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
 async def _refuse(send: Send, status: int, message: str, code: str, kind: str) -> None:
     body = error_body(message, type=kind, code=code)
     await send(
@@ -83,6 +119,9 @@ class AdmissionMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].endswith(GENERATION_PATHS):
             await self.app(scope, receive, send)
+            return
+        body = await read_body(receive)
+        if body is None:  # the client left (or timed out) before its body was complete
             return
         admission = self.admission
         if admission.draining:
@@ -117,7 +156,7 @@ class AdmissionMiddleware:
 
         admission.in_flight += 1
         try:
-            await self.app(scope, receive, timed_send)
+            await self.app(scope, replay(body, receive), timed_send)
         except ClientTooSlow:
             admission.slow_clients += 1
             logger.warning("a client stopped reading for %.0fs: its stream was cut", timeout)

@@ -1,4 +1,5 @@
-"""The admission middleware in-process: slow clients are cut off, counts stay exact."""
+"""The admission middleware in-process: slow clients are cut off, counts stay exact, and a
+request counts only once its body is complete."""
 
 from __future__ import annotations
 
@@ -32,8 +33,11 @@ def test_a_client_that_stops_reading_is_cut_off_and_the_stream_cancelled() -> No
             if sent > 3:
                 await asyncio.sleep(3600)  # the client's window is full: it never drains
 
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
         scope = {"type": "http", "path": "/v1/chat/completions"}
-        await asyncio.wait_for(middleware(scope, None, send), 5)
+        await asyncio.wait_for(middleware(scope, receive, send), 5)
         assert cancelled.is_set()
         return admission
 
@@ -55,4 +59,46 @@ def test_other_paths_pass_untouched_and_uncounted() -> None:
 
     admission = asyncio.run(main())
     assert seen == ["/tokenize"]
+    assert admission.rejected == 0
+
+
+def test_a_request_counts_only_once_its_body_is_complete() -> None:
+    pieces: asyncio.Queue[dict] = asyncio.Queue()
+    seen: list[tuple[int, dict]] = []
+
+    async def app(scope, receive, send) -> None:
+        seen.append((admission.in_flight, await receive()))
+
+    admission = Admission(max_pending=1, write_timeout_s=1)
+    middleware = AdmissionMiddleware(app, admission)
+
+    async def main() -> None:
+        scope = {"type": "http", "path": "/v1/chat/completions"}
+        request = asyncio.create_task(middleware(scope, pieces.get, None))
+        await pieces.put({"type": "http.request", "body": b'{"a":', "more_body": True})
+        await asyncio.sleep(0)
+        assert admission.in_flight == 0  # half a body holds no slot
+        await pieces.put({"type": "http.request", "body": b" 1}", "more_body": False})
+        await asyncio.wait_for(request, 5)
+
+    asyncio.run(main())
+    # Counted while the app ran, and the app got the whole body in one message.
+    assert seen == [(1, {"type": "http.request", "body": b'{"a": 1}', "more_body": False})]
+    assert admission.in_flight == 0
+
+
+def test_a_client_gone_before_its_body_is_complete_never_reaches_the_app() -> None:
+    messages = iter([{"type": "http.request", "body": b"{", "more_body": True},
+                     {"type": "http.disconnect"}])  # fmt: skip
+
+    async def app(scope, receive, send) -> None:
+        raise AssertionError("the app was called")
+
+    async def receive() -> dict:
+        return next(messages)
+
+    admission = Admission(max_pending=1, write_timeout_s=1)
+    scope = {"type": "http", "path": "/v1/completions"}
+    asyncio.run(AdmissionMiddleware(app, admission)(scope, receive, None))
+    assert admission.in_flight == 0
     assert admission.rejected == 0

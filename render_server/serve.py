@@ -70,14 +70,18 @@ def serve_app(
 ) -> bool:
     """Run `app` under a DrainingServer until it exits; on `sockets` already bound (by the
     --processes supervisor) or else on settings.host/port. Returns whether it started."""
+    from render_server.http.connection import http_protocol
+
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         root_path=settings.root_path,
-        # "auto" picks uvloop and httptools (both in the `render` extra) when importable.
+        # "auto" picks uvloop (in the `render` extra) when importable.
         loop="auto",
-        http="auto",
+        # httptools with the header limit and the header / body timeouts applied while
+        # the bytes arrive (see http/connection.py).
+        http=http_protocol(settings),
         lifespan="on",
         log_config=None,  # logging.basicConfig above already routes uvicorn's loggers
         log_level=LOG_LEVELS[settings.log_level],

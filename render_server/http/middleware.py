@@ -158,7 +158,11 @@ class BodyTooLarge(HTTPException):
 
 
 class LimitsMiddleware:
-    """431 for too many or too large headers, 413 for a body over the size limit."""
+    """431 for too many or too large headers, 413 for a body over the size limit.
+
+    The header checks here are the exact ones (count, names + values); a head far past
+    the size limit never gets this far: the connection (http/connection.py) answers 431
+    while it arrives."""
 
     def __init__(
         self, app: ASGIApp, max_body_bytes: int, max_header_bytes: int, max_header_count: int

@@ -56,16 +56,18 @@ def kernels_enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _cpu_tag() -> str:
-    """A short hash of the CPU's feature flags: the build uses -march=native, so a torch
-    extensions dir shared between different machines must not hand one CPU's binary to
-    another."""
+def _build_tag() -> str:
+    """A short hash of the CPU's feature flags and of where the sources are: the build uses
+    -march=native, so a torch extensions dir shared between machines must not hand one
+    CPU's binary to another; and two checkouts on one machine must not take turns
+    rebuilding one directory (torch rebuilds when the source paths change)."""
     try:
         info = Path("/proc/cpuinfo").read_text()
         flags = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
     except OSError:
         flags = ""
-    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+    where = str(_SOURCES[0].parent.resolve())
+    return hashlib.sha1(f"{flags}\0{where}".encode()).hexdigest()[:8]
 
 
 def _put_ninja_on_path() -> None:
@@ -93,7 +95,7 @@ def load_extension() -> ModuleType | None:
 
         _put_ninja_on_path()
         return load(
-            name=f"duet_cpu_kernels_{_cpu_tag()}",
+            name=f"duet_cpu_kernels_{_build_tag()}",
             sources=[str(s) for s in _SOURCES],
             # -ffp-contract=off keeps gguf's separate multiply and add when dequantizing;
             # -fopenmp makes at::parallel_for use torch's (already loaded) OpenMP pool.

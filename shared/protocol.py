@@ -17,7 +17,7 @@ from typing import Annotated, Generic, Literal, TypeVar
 import msgspec
 
 from shared.model_card import ModelCard
-from shared.sampling import SamplingParams, TokenId
+from shared.sampling import INT64_MAX, INT64_MIN, SamplingParams, TokenId
 
 PROTOCOL_VERSION = 2
 MAGIC = b"DU"
@@ -95,7 +95,7 @@ class Generate(_Message, tag="generate", kw_only=True):
         list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_PROMPT_TOKENS)
     ]
     sampling: SamplingParams
-    priority: int = 0
+    priority: Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)] = 0
     cache_salt: Annotated[str, msgspec.Meta(max_length=256)] | None = None
     """Per-tenant salt mixed into the prefix hashes so tenants never share cached blocks."""
     arrival_time: float = 0.0

@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from render_server.schemas.body import MAX_JSON_DEPTH
 from render_server.schemas.errors import (
     INVALID_REQUEST,
     SERVER_ERROR,
@@ -93,7 +94,8 @@ def validation_error_info(errors: Sequence[Any], content_type: str | None) -> Er
     if not path and first.get("type") in _NOT_AN_OBJECT:
         return ErrorInfo(message="The request body must be a JSON object.", type=INVALID_REQUEST)
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-    param = ".".join(path) or None
+    # Checks of the whole body (schemas/body.py) name the field they found in `ctx`.
+    param = ".".join(path) or first.get("ctx", {}).get("param")
     if param:
         message = f"{param}: {message}"
     if len(errors) > 1:
@@ -124,8 +126,13 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
         message = f"Method {request.method} is not allowed on {request.url.path}."
     else:
         message = str(exc.detail)
+    code = _HTTP_CODES.get(status)
+    if isinstance(exc.__cause__, RecursionError):
+        # FastAPI's JSON decoder gave up on the nesting before schemas/body.py could look.
+        message = f"The JSON body nests objects and arrays deeper than {MAX_JSON_DEPTH} levels."
+        code = "invalid_json"
     kind = SERVER_ERROR if status >= 500 else INVALID_REQUEST
-    info = ErrorInfo(message=message, type=kind, code=_HTTP_CODES.get(status))
+    info = ErrorInfo(message=message, type=kind, code=code)
     return error_response(status, info, exc.headers)
 
 

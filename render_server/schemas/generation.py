@@ -11,7 +11,9 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from render_server.schemas.body import JsonBody
 from render_server.schemas.tokenize import ChatMessage, ToolDefinition
+from shared.sampling import INT64_MAX, INT64_MIN
 
 # Bounds checked in the render tier before anything reaches a worker.
 MAX_MESSAGES = 4096
@@ -52,7 +54,7 @@ class StructuredOutputsField(BaseModel):
     """Not supported: refused when set."""
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(JsonBody):
     """Fields of both endpoints that become SamplingParams, stops and limits."""
 
     model_config = ConfigDict(extra="ignore")
@@ -82,7 +84,9 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     """Accepted for compatibility; unused."""
-    priority: int = 0
+    priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
+    """vLLM's scheduling priority, carried to the worker (which does not order by it yet);
+    bounded to a signed 64-bit integer, as the wire carries it."""
     response_format: Any = None
     """OpenAI's structured outputs: {"type": "text" | "json_object" | "json_schema", ...}."""
     structured_outputs: StructuredOutputsField | None = None

@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
+from render_server.schemas.body import JsonBody
+
 
 class _StrictBody(BaseModel):
     # Unknown fields are a client bug (a typo in `add_generation_prompt` would otherwise be
@@ -114,7 +116,7 @@ class ToolDefinition(_StrictBody):
     function: FunctionDefinition
 
 
-class TokenizePromptRequest(_StrictBody):
+class TokenizePromptRequest(JsonBody, _StrictBody):
     """Tokenize a plain string."""
 
     model: str | None = None
@@ -126,7 +128,7 @@ class TokenizePromptRequest(_StrictBody):
     """Also return each token's string form."""
 
 
-class TokenizeChatRequest(_StrictBody):
+class TokenizeChatRequest(JsonBody, _StrictBody):
     """Render messages through the chat template, then tokenize the result."""
 
     model: str | None = None
@@ -179,7 +181,7 @@ class TokenizeResponse(BaseModel):
     """Each token's string form; null unless `return_token_strs` was set."""
 
 
-class DetokenizeRequest(_StrictBody):
+class DetokenizeRequest(JsonBody, _StrictBody):
     """Turn token ids back into text."""
 
     model: str | None = None

@@ -222,6 +222,14 @@ def test_oversized_frame_raises() -> None:
             "prompt_token_ids": [1],
             "sampling": {"max_tokens": 0},
         },
+        # msgpack carries it as a uint64; priority is a signed 64-bit integer.
+        {
+            "type": "generate",
+            "request_id": "a",
+            "prompt_token_ids": [1],
+            "sampling": {},
+            "priority": (1 << 64) - 1,
+        },
         {"type": "hello", "protocol_version": 1, "evil": True},
         {"type": "no_such_message"},
         {"type": "abort", "request_ids": "not-a-list"},

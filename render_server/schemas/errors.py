@@ -11,6 +11,10 @@ from pydantic import BaseModel
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
 
+# Client text quoted in an error message is cut to this: a body may hold megabytes where
+# a name belongs, and the error must not echo them back.
+MAX_QUOTED_CHARS = 256
+
 
 class ErrorInfo(BaseModel):
     """What went wrong, as the OpenAI API and SDKs expect it."""
@@ -50,8 +54,16 @@ class ApiError(Exception):
         self.headers = headers
 
 
+def quoted(text: str) -> str:
+    """`text` as an error message may quote it: at most MAX_QUOTED_CHARS characters, and
+    anything UTF-8 cannot encode (a lone surrogate) escaped."""
+    if len(text) > MAX_QUOTED_CHARS:
+        text = f"{text[:MAX_QUOTED_CHARS]}... ({len(text)} characters)"
+    return text.encode("utf-8", "backslashreplace").decode()
+
+
 def model_not_found(name: str) -> ApiError:
     """The 404 OpenAI returns for a `model` it does not serve."""
     return ApiError(
-        404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
+        404, f"The model `{quoted(name)}` does not exist.", param="model", code="model_not_found"
     )

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import logging
 import os
 import re
 import time
+import traceback
 from collections.abc import Iterable, Sequence
 
 from starlette.datastructures import Headers
@@ -106,9 +108,34 @@ class _RequestIds:
         return self._hex[at : at + 32]
 
 
+# How much of a 5xx body its log line may quote, and how many frames of an unhandled
+# exception's traceback are logged.
+_CAUSE_BYTES = 1024
+_TRACEBACK_FRAMES = 40
+# /ready's 503 reports a state (no worker yet, draining) that probes poll for: no failure.
+_STATE_PROBES = frozenset({"/ready"})
+
+
+def _error_cause(body: bytes) -> str:
+    """What a 5xx body says went wrong, for the log line: `code: 'message'` of an OpenAI
+    error body, else the body's first bytes (repr: a log line stays one line)."""
+    try:
+        error = json.loads(body)["error"]
+        return f"{error.get('code') or error.get('type')}: {error['message']!r}"
+    except (ValueError, TypeError, KeyError):
+        return repr(body[:_CAUSE_BYTES])
+
+
+def _bounded_traceback(exc: BaseException) -> str:
+    # The innermost frames say what failed; a deep recursion would otherwise log a
+    # thousand frames per request.
+    return "".join(traceback.format_exception(exc, limit=-_TRACEBACK_FRAMES)).rstrip()
+
+
 class RequestContextMiddleware:
-    """Gives each request an id (echoed in X-Request-Id), times and counts it, and turns
-    an unhandled exception into a 500 error body without leaking the traceback."""
+    """Gives each request an id (echoed in X-Request-Id), times and counts it, turns an
+    unhandled exception into a 500 error body without leaking the traceback, and logs
+    every 5xx answer once, with its request id and cause."""
 
     def __init__(self, app: ASGIApp, metrics: RenderMetrics) -> None:
         self.app = app
@@ -124,22 +151,39 @@ class RequestContextMiddleware:
         scope.setdefault("state", {})["request_id"] = request_id
         id_header = (REQUEST_ID_HEADER, request_id.encode("ascii"))
         status = 0
+        error_body_start: bytes | None = None  # of a 5xx answer, for its log line
+        logged = False
 
         async def send_with_id(message: Message) -> None:
-            nonlocal status
+            nonlocal status, error_body_start
             if message["type"] == "http.response.start":
                 status = message["status"]
                 message["headers"] = [*message.get("headers", ()), id_header]
+            elif status >= 500 and error_body_start is None and message.get("body"):
+                error_body_start = message["body"][:_CAUSE_BYTES]
             await send(message)
 
         try:
             await self.app(scope, receive, send_with_id)
-        except Exception:
-            logger.exception("request %s failed", request_id)
-            if status:  # the response has started: nothing sane can be sent any more
-                raise
+        except Exception as exc:
+            logger.error("request %s failed: %s", request_id, _bounded_traceback(exc))
+            logged = True
+            if status:
+                # The response has started: nothing sane can be sent any more. Returning
+                # lets uvicorn close the connection without logging the traceback again.
+                return
             await send_error(send_with_id, 500, "Internal server error.", type=SERVER_ERROR)
         finally:
+            if status >= 500 and not logged and route_path(scope) not in _STATE_PROBES:
+                logger.log(
+                    logging.WARNING if status == 503 else logging.ERROR,
+                    "request %s: %s %.200r answered %d, %s",
+                    request_id,
+                    scope["method"],
+                    scope["path"],
+                    status,
+                    _error_cause(error_body_start or b""),
+                )
             route = scope.get("route")
             self.metrics.observe_request(
                 scope["method"],

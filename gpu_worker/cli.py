@@ -17,8 +17,11 @@ from pathlib import Path
 from gpu_worker.core.config import EngineConfig
 from shared.cli_fields import add_fields, given_fields
 from shared.model_source import ModelNotFoundError
+from shared.transport import is_local_bind
 
 DEFAULT_BIND = "tcp://127.0.0.1:5555"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +64,18 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(**given_fields(args, ServerConfig))
 
 
+def check_exposure(config: ServerConfig) -> None:
+    """Warn when the socket is open to other machines without CURVE: nothing else guards it."""
+    if config.zmq_curve_dir is None and not is_local_bind(config.bind):
+        logger.warning(
+            "UNPROTECTED: binding %s without --zmq-curve-dir. Anyone who can reach this "
+            "port can submit prompts to the model and read every output, unencrypted. "
+            "Bind 127.0.0.1, or make keys with `python -m shared.curve DIR` and pass "
+            "--zmq-curve-dir DIR here and to render-serve.",
+            config.bind,
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `gpu-worker`."""
     args = build_parser().parse_args(argv)
@@ -69,6 +84,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=server_config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    check_exposure(server_config)
+    if server_config.zmq_curve_dir is not None:
+        from shared.curve import worker_keys
+
+        # A bad key file fails now, not after the model has loaded (minutes for a big one).
+        try:
+            worker_keys(server_config.zmq_curve_dir)
+        except (OSError, ValueError) as exc:
+            print(f"gpu-worker: error: {exc}", file=sys.stderr)
+            return 2
     config = config_from_args(args)
     # Heavy imports after argument parsing, so `--help` is instant.
     from gpu_worker.engine.engine import Engine

@@ -10,13 +10,16 @@ Layout of `--zmq-curve-dir DIR` (files in zmq.auth's certificate format):
 `python -m shared.curve DIR` writes a matching set for one worker and one render server
 (copy `render.key` into the worker's `authorized/`; more render keys can be added there).
 A render server whose public key is not in `authorized/` cannot talk to the worker: the
-ZAP handler refuses its handshake, so not even a Hello gets through.
+ZAP handler refuses its handshake, so not even a Hello gets through. Secret key files are
+written 0600, and a secret key file other users can read is refused when it is loaded.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import zmq
@@ -53,11 +56,19 @@ def start_authenticator(context: zmq.Context, directory: Path) -> ThreadAuthenti
 
 
 def generate(directory: Path) -> None:
-    """Write a worker key pair, a render key pair, and authorize that render key."""
+    """Write a worker key pair, a render key pair (secret keys 0600), and authorize that
+    render key. Existing keys of the same names are replaced."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / AUTHORIZED_DIR).mkdir(exist_ok=True)
-    zmq.auth.create_certificates(directory, "worker")
-    zmq.auth.create_certificates(directory, "render")
+    # pyzmq creates key files as the umask allows (0644, usually). Created in a directory
+    # only we can enter (mkdtemp: 0700) and made 0600 before they are moved in, secret
+    # keys are never readable by others, whatever the umask, even for a moment.
+    with tempfile.TemporaryDirectory(dir=directory) as private:
+        for name in ("worker", "render"):
+            public, secret = zmq.auth.create_certificates(private, name)
+            os.chmod(secret, 0o600)
+            for path in (public, secret):
+                os.replace(path, directory / os.path.basename(path))
     shutil.copy(directory / "render.key", directory / AUTHORIZED_DIR / "render.key")
 
 

@@ -9,6 +9,8 @@ CURVE encryption is available for untrusted networks through `CurveKeys`.
 
 from __future__ import annotations
 
+import ipaddress
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,10 +21,29 @@ from shared.protocol import MAX_FRAME_BYTES
 DEFAULT_HWM = 10_000
 
 
+class InsecureKeyFileError(PermissionError):
+    """A CURVE secret key file that users other than its owner can read: refused, since
+    whoever reads a secret key can pose as its owner (ssh refuses such keys too)."""
+
+    def __init__(self, path: Path, mode: int) -> None:
+        super().__init__(
+            f"{path} is readable by other users (mode {mode:04o}); a CURVE secret key must "
+            f"be private: run `chmod 600 {path}`"
+        )
+
+
+def check_secret_key_file(path: Path) -> None:
+    """Raise `InsecureKeyFileError` if group or others may read ``path``."""
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & (stat.S_IRGRP | stat.S_IROTH):
+        raise InsecureKeyFileError(path, mode)
+
+
 @dataclass(frozen=True)
 class CurveKeys:
     """Z85 CURVE key material. A server needs its secret key; a client also needs the
-    server's public key. Keys come from files written by `zmq.auth.create_certificates`."""
+    server's public key. Keys come from files in `zmq.auth`'s certificate format, the
+    secret one readable by its owner only."""
 
     public_key: bytes
     secret_key: bytes
@@ -32,6 +53,7 @@ class CurveKeys:
     def from_files(cls, secret_file: Path, server_public_file: Path | None = None) -> CurveKeys:
         import zmq.auth
 
+        check_secret_key_file(secret_file)
         public, secret = zmq.auth.load_certificate(str(secret_file))
         if secret is None:
             raise ValueError(f"{secret_file} holds no secret key")
@@ -100,3 +122,18 @@ def bound_endpoint(socket: zmq.Socket) -> str:
     """The address a socket actually bound (resolves `tcp://127.0.0.1:*`)."""
     endpoint = socket.getsockopt(zmq.LAST_ENDPOINT)
     return endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+
+
+def is_local_bind(address: str) -> bool:
+    """Whether only this machine can reach a bind address: ipc:// or inproc://, or tcp://
+    on loopback. ``*``, an interface or a host name counts as reachable from outside."""
+    scheme, _, rest = address.partition("://")
+    if scheme != "tcp":
+        return scheme in ("ipc", "inproc")
+    host = rest.rpartition(":")[0].removeprefix("[").removesuffix("]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import zmq
 import zmq.auth
@@ -48,8 +50,9 @@ def test_router_mandatory_raises_for_unknown_peer() -> None:
 
 
 def test_curve_encrypted_exchange(tmp_path) -> None:
-    server_public, server_secret = zmq.auth.create_certificates(tmp_path, "server")
-    _, client_secret = zmq.auth.create_certificates(tmp_path, "client")
+    for name in ("server", "client"):
+        _, secret = zmq.auth.create_certificates(tmp_path, name)
+        os.chmod(secret, 0o600)  # CurveKeys refuses a secret key others can read
     server = CurveKeys.from_files(tmp_path / "server.key_secret")
     client = CurveKeys.from_files(tmp_path / "client.key_secret", tmp_path / "server.key")
     context = zmq.Context()

@@ -1,9 +1,15 @@
-"""gpu-worker's flags reach EngineConfig unchanged."""
+"""gpu-worker's flags reach EngineConfig unchanged; an exposed bind without CURVE warns."""
 
 from __future__ import annotations
 
-from gpu_worker.cli import build_parser, config_from_args
+import logging
+from pathlib import Path
+
+import pytest
+
+from gpu_worker.cli import ServerConfig, build_parser, check_exposure, config_from_args
 from gpu_worker.core.config import EngineConfig
+from shared.transport import is_local_bind
 
 
 def test_defaults_equal_the_engine_defaults() -> None:
@@ -62,3 +68,36 @@ def test_server_flags_keep_their_defaults() -> None:
     assert (config.bind, config.heartbeat_interval_s, config.client_timeout_s) == (
         DEFAULT_BIND, 0.5, 3.0,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("bind", "local"),
+    [
+        ("tcp://127.0.0.1:5555", True),
+        ("tcp://127.0.0.1:*", True),
+        ("tcp://127.3.2.1:5555", True),
+        ("tcp://localhost:5555", True),
+        ("tcp://[::1]:5555", True),
+        ("ipc:///tmp/worker.sock", True),
+        ("tcp://0.0.0.0:5555", False),
+        ("tcp://*:5555", False),
+        ("tcp://[::]:5555", False),
+        ("tcp://10.1.2.3:5555", False),
+        ("tcp://eth0:5555", False),
+        ("tcp://worker.example.com:5555", False),
+    ],
+)
+def test_is_local_bind(bind: str, local: bool) -> None:
+    assert is_local_bind(bind) is local
+
+
+def test_an_exposed_bind_without_curve_warns(caplog: pytest.LogCaptureFixture) -> None:
+    check_exposure(ServerConfig(bind="tcp://0.0.0.0:5555"))
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING
+    assert "tcp://0.0.0.0:5555" in record.getMessage()
+    assert "--zmq-curve-dir" in record.getMessage()
+    caplog.clear()
+    check_exposure(ServerConfig(bind="tcp://0.0.0.0:5555", zmq_curve_dir=Path("keys")))
+    check_exposure(ServerConfig(bind="tcp://127.0.0.1:5555"))
+    assert not caplog.records

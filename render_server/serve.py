@@ -9,6 +9,7 @@ import logging
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import uvicorn
@@ -91,20 +92,41 @@ def serve_app(
         server_header=False,
     )
     state = app.state.render
-    server = DrainingServer(config, state.admission, settings.drain_timeout_s)
+    from render_server.http.endpoint import stop_generations
+
+    server = DrainingServer(
+        config,
+        state.admission,
+        settings.drain_timeout_s,
+        stop_remaining=lambda: stop_generations(state.live_generations),
+    )
     server.run(sockets=sockets)
     return server.started
+
+
+# After the drain timeout, how long the stopped streams get to send their error event and
+# terminator before the server closes their connections.
+_STOPPED_STREAMS_GRACE_S = 2.0
 
 
 class DrainingServer(uvicorn.Server):
     """uvicorn that drains on the first SIGTERM: /ready turns 503 and new generation
     requests are refused (so a load balancer moves on), in-flight streams get up to
-    `drain_timeout_s` to finish, then the server exits 0. A second signal exits at once."""
+    `drain_timeout_s` to finish, then the server exits 0. The requests still running then
+    are stopped first: each stream ends with an error event and its terminator, each
+    other request with a 503, rather than a cut connection. A second signal exits at once."""
 
-    def __init__(self, config: uvicorn.Config, admission: Any, drain_timeout_s: float) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        admission: Any,
+        drain_timeout_s: float,
+        stop_remaining: Callable[[], None] = lambda: None,
+    ) -> None:
         super().__init__(config)
         self._admission = admission
         self._drain_timeout_s = drain_timeout_s
+        self._stop_remaining = stop_remaining
         self._draining = False
 
     def handle_exit(self, sig: int, frame: Any) -> None:
@@ -124,8 +146,11 @@ class DrainingServer(uvicorn.Server):
         finished = await self._admission.wait_idle(self._drain_timeout_s)
         if not finished:
             logging.getLogger(__name__).warning(
-                "drain timeout: %d requests still in flight", self._admission.in_flight
+                "drain timeout: stopping the %d requests still in flight",
+                self._admission.in_flight,
             )
+            self._stop_remaining()
+            await self._admission.wait_idle(_STOPPED_STREAMS_GRACE_S)
         self.should_exit = True
 
 

@@ -266,6 +266,12 @@ class RenderSettings(BaseSettings):
         return value
 
     @model_validator(mode="after")
+    def _isolation_needs_keys(self) -> RenderSettings:
+        if self.prefix_cache_isolation == "per-key" and not self.api_keys:
+            raise ValueError("prefix_cache_isolation per-key needs at least one API key")
+        return self
+
+    @model_validator(mode="after")
     def _no_credentials_for_any_origin(self) -> RenderSettings:
         # With credentials Starlette mirrors the caller's origin instead of sending `*`,
         # which would hand any web page the user's cookies for this server.

@@ -6,6 +6,9 @@ request gets seed + i); `deltas()` turns each worker delta into text with an
 IncrementalDetokenizer, cuts stop strings (aborting the worker request when one matches)
 and yields `ChoiceDelta`s of every choice in arrival order; `aclose()` aborts whatever
 still runs and records the request's metrics, once. Endpoints only format what it yields.
+`accepted()` waits until the workers took every choice (an HTTP status can wait for it);
+`stop(error)` ends every choice with an error: the request's deadline (`timeout_s`) and a
+drain that ran out of time use it, so such a request still ends with one error.
 
 Each piece of a choice's output has one owner: its `RequestStream` keeps the token ids
 (a failover resends them), its detokenizer the text, the `Choice` the logprobs and how it
@@ -22,7 +25,7 @@ from typing import Protocol
 
 from render_server.generation.detokenizer import IncrementalDetokenizer
 from render_server.templating.tokenizer import Tokenizer
-from render_server.worker_client.pool import RequestStream, WorkerPool
+from render_server.worker_client.pool import RequestStream, WorkerError, WorkerPool
 from shared.protocol import Constraint, FinishReason, Generate, RequestDelta, TokenLogprobs
 from shared.sampling import SamplingParams
 
@@ -194,6 +197,8 @@ class Generation:
         arrival_time: float | None = None,
         constraint: Constraint | None = None,
         recorder: GenerationRecorder | None = None,
+        timeout_s: float | None = None,
+        live: set[Generation] | None = None,
     ) -> None:
         self.pool = pool
         self.request_id = request_id
@@ -216,9 +221,21 @@ class Generation:
                 self.choices.append(choice)
         self._recorder = recorder
         self._closed = False
+        self._timeout_s = timeout_s
+        self._deadline: asyncio.TimerHandle | None = None
+        self._live = live
+        """The generations of this server still open (a drain stops what remains)."""
 
     async def start(self) -> None:
-        """Submit every choice to the workers."""
+        """Submit every choice to the workers; the deadline, if any, runs from here."""
+        if self._live is not None:
+            self._live.add(self)
+        if self._timeout_s is not None:
+            timeout_s = self._timeout_s
+            error = WorkerError(
+                "timeout", f"the request did not finish within {timeout_s:g}s (--request-timeout)"
+            )
+            self._deadline = asyncio.get_running_loop().call_later(timeout_s, self.stop, error)
         try:
             for prompt in self.prompts:
                 for number, choice in enumerate(prompt.choices):
@@ -237,8 +254,26 @@ class Generation:
             await self.aclose()
             raise
 
+    async def accepted(self) -> None:
+        """Return once a worker has taken every choice; raise the `WorkerError` of one
+        that was refused (or lost, or stopped) first."""
+        for choice in self.choices:
+            if choice.stream is not None:
+                await choice.stream.accepted()
+
+    def stop(self, error: WorkerError) -> None:
+        """Abort every choice still running; each ends with `error` (a consumer of
+        `deltas()` gets it raised)."""
+        for choice in self.choices:
+            if choice.stream is not None:
+                choice.stream.stop(error)
+
     async def aclose(self) -> None:
         """Abort every choice still running; record the request's metrics (once)."""
+        if self._deadline is not None:
+            self._deadline.cancel()
+        if self._live is not None:
+            self._live.discard(self)
         for choice in self.choices:
             if choice.stream is not None:
                 await choice.stream.abort()

@@ -6,10 +6,16 @@ completion prompt, token ids), and a `ResponseFormatter`. Everything else is her
 admission (`admit`), limits and sampling (`new_generation`), and `respond`, which starts
 the `Generation`, streams it as SSE or folds it into one body, maps worker errors to HTTP
 ones, and closes it (abort and metrics) however the request ends.
+
+A stream's status waits until the workers have taken the request, so a refusal (a full
+queue) is a real 503, not a 200 with an error event. Once the 200 went out, every stream
+ends with the API's terminator, after an error event if it could not finish.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -28,7 +34,7 @@ from render_server.generation.sampling_params import (
 from render_server.generation.structured import ConstraintValidator
 from render_server.http.formatter import ResponseFormatter
 from render_server.http.serving import json_response, until_disconnect, worker_error_to_api
-from render_server.schemas.errors import ApiError
+from render_server.schemas.errors import SERVER_ERROR, ApiError
 from render_server.schemas.generation import SamplingFields
 from render_server.worker_client.pool import WorkerError, WorkerPool
 from shared.protocol import Constraint
@@ -37,6 +43,8 @@ if TYPE_CHECKING:
     # Only a type here: the api package imports this module while it initializes.
     from render_server.http.api.deps import RenderState
     from render_server.templating.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 def constraint_validator(request: Request, tokenizer: Tokenizer) -> ConstraintValidator:
@@ -92,17 +100,48 @@ def new_generation(
         priority=body.priority,
         constraint=constraint,
         recorder=state.generation_metrics,
+        timeout_s=state.settings.request_timeout_s,
+        live=state.live_generations,
     )
+
+
+def stop_generations(generations: set[Generation]) -> None:
+    """Stop every generation still open (a drain ran out of time): each stream ends with
+    an error event and its terminator, each other request with a 503."""
+    error = WorkerError("shutdown", "This server is shutting down; retry elsewhere.")
+    for generation in list(generations):
+        generation.stop(error)
+
+
+def tenant_cache_salt(request: Request) -> str | None:
+    """Under --prefix-cache-isolation per-key, the prefix-cache salt of the request's
+    tenant: a digest of its API key (the key itself never leaves this process)."""
+    state: RenderState = request.app.state.render
+    if state.settings.prefix_cache_isolation != "per-key":
+        return None
+    scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return None  # not reached: the key check admits only Bearer tokens
+    return hashlib.sha256(b"duet-tenant\0" + token.strip().encode()).hexdigest()
 
 
 async def respond(
     request: Request, generation: Generation, formatter: ResponseFormatter, *, stream: bool
 ) -> Response:
     """Run `generation` and answer with what `formatter` makes of it."""
+    salt = tenant_cache_salt(request)
+    if salt is not None:
+        generation.cache_salt = salt
     try:
         await generation.start()
+        if stream:
+            await generation.accepted()
     except WorkerError as exc:
+        await generation.aclose()
         raise worker_error_to_api(exc) from exc
+    except BaseException:
+        await generation.aclose()
+        raise
     if stream:
         return StreamingResponse(
             _events(generation, formatter),
@@ -138,6 +177,10 @@ async def _events(generation: Generation, formatter: ResponseFormatter) -> Async
             yield closing
     except (WorkerError, ApiError) as exc:
         yield formatter.error_event(exc if isinstance(exc, ApiError) else worker_error_to_api(exc))
+    except Exception:
+        # A bug must still end the stream properly: the client gets an error, not a cut.
+        logger.exception("stream %s failed", generation.request_id)
+        yield formatter.error_event(ApiError(500, "Internal server error.", type=SERVER_ERROR))
     finally:
         await generation.aclose()
     if formatter.done_event:

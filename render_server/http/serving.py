@@ -58,14 +58,18 @@ def worker_error_to_api(error: WorkerError) -> ApiError:
                 code="queue_full",
                 headers={"Retry-After": "1"},
             )
-        return ApiError(500, error.message, type=SERVER_ERROR, code=error.reject_code)
+        # Else "protocol": the worker kept forgetting this render server; a retry may land.
     if error.code == "timeout":
         return ApiError(504, error.message, type=SERVER_ERROR, code="timeout")
+    if error.code == "shutdown":
+        return ApiError(
+            503, error.message, type=SERVER_ERROR, code="draining", headers={"Retry-After": "1"}
+        )
     return ApiError(
         503,
         f"No worker could serve this request: {error.message}",
         type=SERVER_ERROR,
-        code=error.code,
+        code=error.reject_code or error.code,
         headers={"Retry-After": "1"},
     )
 

@@ -360,6 +360,9 @@ class WorkerPool:
         link.worker_id = welcome.worker_id
         link.model_card = card
         link.welcomed = link.alive = True
+        # A first heartbeat at once: from it on the worker frees our requests if we fall
+        # silent (it cannot tell a client that never heartbeats from one that is gone).
+        link.send(ClientHeartbeat(sent_at=time.time()))
         if self._model_card is None:
             self._model_card = card
         self._any_welcome.set()

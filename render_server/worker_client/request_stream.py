@@ -14,15 +14,15 @@ from typing import Literal, Protocol
 
 from shared.protocol import FinishReason, Generate, RequestDelta, merge_delta
 
-WorkerErrorCode = Literal["rejected", "worker_lost", "no_workers", "timeout"]
+WorkerErrorCode = Literal["rejected", "worker_lost", "no_workers", "timeout", "shutdown"]
 
 
 class WorkerError(Exception):
     """A request or the pool could not be served by a worker.
 
     `code` is "rejected" (the worker refused the request; `reject_code` says why),
-    "worker_lost" (its worker stopped answering), "no_workers" (none is usable) or
-    "timeout".
+    "worker_lost" (its worker stopped answering), "no_workers" (none is usable),
+    "timeout" (its deadline passed) or "shutdown" (this server stopped it on its way out).
     """
 
     def __init__(

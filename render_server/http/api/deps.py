@@ -6,7 +6,7 @@ reach it through `StateDep` rather than through globals.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
@@ -16,6 +16,7 @@ from render_server.schemas.errors import SERVER_ERROR, ApiError, model_not_found
 from render_server.settings import RenderSettings
 
 if TYPE_CHECKING:
+    from render_server.generation.lifecycle import Generation
     from render_server.generation.metrics import GenerationMetrics
     from render_server.http.admission import Admission
     from render_server.templating.chat_template import ChatRenderer
@@ -50,6 +51,8 @@ class RenderState:
     """The connections to the gpu-workers; None on a --render-only server."""
     discovery: WorkerDiscovery | None = None
     """Keeps `workers` in step with --worker-dns; None without it."""
+    live_generations: set[Generation] = field(default_factory=set)
+    """Generations started and not yet closed (a drain that runs out of time stops them)."""
 
     @property
     def max_model_len(self) -> int:

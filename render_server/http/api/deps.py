@@ -82,8 +82,9 @@ class RenderState:
         return self.workers
 
     def check_model(self, requested: str | None) -> None:
-        """Raise the OpenAI 404 unless `requested` is absent or names the served model."""
-        if requested and requested != self.model_id:
+        """Raise the OpenAI 404 unless `requested` is absent or names the served model ("" is
+        a name, of no model)."""
+        if requested is not None and requested != self.model_id:
             raise model_not_found(requested)
 
 

@@ -73,7 +73,7 @@ class SamplingFields(JsonBody):
     """Choice i samples with seed + i, so a seeded request with n > 1 is reproducible."""
     n: int = 1
     stop: StopField = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0

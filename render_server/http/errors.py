@@ -13,9 +13,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from render_server.http.serving import ClientDisconnected
 from render_server.schemas.body import MAX_JSON_DEPTH
 from render_server.schemas.errors import (
     INVALID_REQUEST,
@@ -142,6 +143,13 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(400, info)
 
 
+async def _client_disconnected(request: Request, exc: Exception) -> Response:
+    # The client left before its answer was ready: nobody reads this, and it is no server
+    # error (logging it as one put a traceback in the log per impatient client).
+    # 499 is what RequestContextMiddleware counts for a client that went away.
+    return Response(status_code=499)
+
+
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     # Reached only if an exception escapes RequestContextMiddleware, which normally
     # answers 500s itself (so they carry the request id).
@@ -154,4 +162,5 @@ def install_exception_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(ClientDisconnected, _client_disconnected)
     app.add_exception_handler(Exception, _unexpected_error)

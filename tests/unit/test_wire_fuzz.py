@@ -337,7 +337,7 @@ _SAMPLING_EXTREMES: dict[str, st.SearchStrategy] = {
 _REQUEST_EXTREMES: dict[str, st.SearchStrategy] = {
     "prompt_token_ids": st.lists(st.integers(0, VOCAB_SIZE - 1), min_size=1, max_size=300)
     | st.lists(_edge_ids, min_size=1, max_size=4),
-    "priority": st.sampled_from([-(1 << 63), (1 << 64) - 1]),
+    "priority": st.sampled_from([-(1 << 63), (1 << 63) - 1]),
     "cache_salt": st.text(max_size=64),
     "arrival_time": st.sampled_from([-1.0, 1e300]) | _weird_floats,
 }

@@ -19,6 +19,7 @@ from render_server.http.api import ROUTERS
 from render_server.http.api.deps import RenderState
 from render_server.http.api.tokenize import TokenizeFastPath
 from render_server.http.errors import install_exception_handlers
+from render_server.http.memory import MemoryReleaseMiddleware, MemoryReleaser
 from render_server.http.metrics import RenderMetrics
 from render_server.http.middleware import (
     ApiKeyMiddleware,
@@ -165,14 +166,16 @@ def create_app(settings: RenderSettings, state: RenderState | None = None) -> Fa
     install_exception_handlers(app)
 
     # add_middleware puts each new layer outside the previous ones, so this reads innermost
-    # first: Admission -> TokenizeFastPath -> ApiKey -> Limits -> CORS -> RequestContext
-    # (outermost). /tokenize is no generation route, so admission never sees it anyway.
+    # first: Admission -> TokenizeFastPath -> ApiKey -> MemoryRelease -> Limits -> CORS ->
+    # RequestContext (outermost). /tokenize is no generation route, so admission never
+    # sees it anyway.
     if state.admission is not None:
         # Inside auth and limits: only requests that passed them count as pending.
         app.add_middleware(AdmissionMiddleware, admission=state.admission)
     app.add_middleware(TokenizeFastPath, state=state)
     if settings.api_keys:
         app.add_middleware(ApiKeyMiddleware, api_keys=settings.api_keys)
+    app.add_middleware(MemoryReleaseMiddleware, releaser=MemoryReleaser())
     app.add_middleware(
         LimitsMiddleware,
         max_body_bytes=settings.max_body_bytes,

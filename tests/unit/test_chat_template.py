@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -300,3 +301,31 @@ def test_openai_string_tool_arguments_render_as_objects(
     call = as_strings["messages"][2]["tool_calls"][0]
     call["function"]["arguments"] = "{not json"
     assert '"arguments": "{not json"' in _render(renderers["qwen2.5"], as_strings).text
+
+
+def test_long_render_tokenizes_without_holding_the_gil(smollm2_tokenizer: Tokenizer) -> None:
+    """A megabyte message renders on the pool; tokenizing it there must not stop the other
+    threads (the event loop's, over HTTP) for the seconds it takes."""
+    renderer = ChatRenderer(smollm2_tokenizer, render_deadline_s=60.0)
+    words = (f"lorem{i % 1009} ipsum, dolor" for i in range(50_000))
+    messages = [{"role": "user", "content": " ".join(words)}]  # 1.1 MB
+    gaps: list[float] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        last = time.perf_counter()
+        while not stop.wait(0.001):
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        rendered = renderer.render(messages)
+    finally:
+        stop.set()
+        ticker.join()
+        renderer.close()
+    assert len(rendered.token_ids) > 100_000
+    assert max(gaps) < 0.1, f"another thread waited {max(gaps):.2f}s for the GIL"

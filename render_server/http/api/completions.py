@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from starlette.concurrency import run_in_threadpool
 
 from render_server.generation.lifecycle import Choice, ChoiceDelta, Generation
 from render_server.generation.structured import resolve_constraint
@@ -30,10 +29,7 @@ async def _prompts(state: RenderState, body: CompletionRequest) -> list[list[int
     """Every prompt form as token ids: a string, strings, ids, or lists of ids."""
     texts = body.prompt_texts()
     if texts is not None:
-        encode = state.tokenizer.encode_batch
-        if sum(len(t) for t in texts) > 16_384:
-            return await run_in_threadpool(encode, texts, body.add_special_tokens)
-        return encode(texts, body.add_special_tokens)
+        return await state.tokenizer.encode_batch_async(texts, body.add_special_tokens)
     id_lists = body.prompt_token_ids()
     vocab_size = state.tokenizer.vocab_size
     for ids in id_lists:

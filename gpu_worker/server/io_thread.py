@@ -19,9 +19,11 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import msgspec
 import zmq
 
 from shared.protocol import (
+    HEADER_BYTES,
     Deltas,
     Encoder,
     Heartbeat,
@@ -31,12 +33,32 @@ from shared.protocol import (
     RenderMessageDecoder,
     RenderToWorker,
     RequestDelta,
+    RequestId,
     Welcome,
     WorkerToRender,
     merge_delta,
 )
 
 logger = logging.getLogger(__name__)
+
+
+class _GenerateId(msgspec.Struct, tag_field="type", tag="generate", kw_only=True):
+    """Only the request id of a Generate (unknown fields ignored): what is left to answer
+    when the rest of the message is invalid."""
+
+    request_id: RequestId
+
+
+_generate_id_decoder = msgspec.msgpack.Decoder(_GenerateId)
+
+
+def salvage_request_id(frame: memoryview) -> str | None:
+    """The request id of a Generate that failed to decode, if it has a readable one, so it
+    can be refused instead of waiting for an answer that never comes."""
+    try:
+        return _generate_id_decoder.decode(frame[HEADER_BYTES:]).request_id
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 @dataclass
@@ -183,6 +205,12 @@ class IoThread(threading.Thread):
             except ProtocolError as exc:
                 self._counters.bad_frames += 1
                 logger.warning("dropped a bad frame from %s: %s", identity.hex(), exc)
+                request_id = salvage_request_id(frames[1].buffer)
+                if request_id is not None:
+                    refusal = Rejected(
+                        request_id=request_id, code="invalid_request", message=str(exc)[:4096]
+                    )
+                    self._outboxes.setdefault(identity, Outbox()).add(refusal)
                 continue
             if isinstance(message, Hello):
                 self._clients.add(identity)

@@ -144,7 +144,7 @@ async def respond(
         raise
     if stream:
         return StreamingResponse(
-            _events(generation, formatter),
+            _events(generation, formatter, request.scope.get("state", {}).get("request_id")),
             media_type="text/event-stream",
             background=BackgroundTask(generation.aclose),
         )
@@ -163,9 +163,12 @@ async def _whole(generation: Generation, formatter: ResponseFormatter) -> msgspe
     return formatter.body(generation)
 
 
-async def _events(generation: Generation, formatter: ResponseFormatter) -> AsyncIterator[bytes]:
+async def _events(
+    generation: Generation, formatter: ResponseFormatter, request_id: str | None
+) -> AsyncIterator[bytes]:
     """The SSE body: the formatter's events, an error event if generation fails midway,
-    then the API's terminator. Closing the generation records it as the stream ends."""
+    then the API's terminator. Closing the generation records it as the stream ends. A
+    server-side failure is logged with the request id, as a 5xx status would be."""
     try:
         if opening := formatter.opening(generation):
             yield opening
@@ -176,10 +179,18 @@ async def _events(generation: Generation, formatter: ResponseFormatter) -> Async
         if closing := formatter.closing(generation):
             yield closing
     except (WorkerError, ApiError) as exc:
-        yield formatter.error_event(exc if isinstance(exc, ApiError) else worker_error_to_api(exc))
+        error = exc if isinstance(exc, ApiError) else worker_error_to_api(exc)
+        if error.status_code >= 500:
+            logger.warning(
+                "request %s: stream ended with a %d error: %s",
+                request_id,
+                error.status_code,
+                error.info.message[:300],
+            )
+        yield formatter.error_event(error)
     except Exception:
         # A bug must still end the stream properly: the client gets an error, not a cut.
-        logger.exception("stream %s failed", generation.request_id)
+        logger.exception("request %s: stream failed", request_id)
         yield formatter.error_event(ApiError(500, "Internal server error.", type=SERVER_ERROR))
     finally:
         await generation.aclose()

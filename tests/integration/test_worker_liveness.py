@@ -1,8 +1,9 @@
 """Client liveness between a real WorkerServer and a real WorkerPool over loopback ZMQ,
 with a scripted engine whose step length the test controls.
 
-A long engine step must not make a heartbeating render server look silent, and a render
-server the worker did reap (it was paused) must resume its streams by itself.
+A long engine step must not make a heartbeating render server look silent, a render
+server the worker did reap (it was paused) must resume its streams by itself, and a
+request the worker cannot read is refused, not left unanswered.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 
+import pytest
+
 from gpu_worker.engine.errors import RequestRejected
 from gpu_worker.server.zmq_server import WorkerServer
-from render_server.worker_client.pool import WorkerPool
+from render_server.worker_client.pool import WorkerError, WorkerPool
 from shared.model_card import ModelCard
 from shared.protocol import Generate, RequestDelta, WorkerStats
 from shared.sampling import SamplingParams
@@ -174,3 +177,23 @@ def test_a_paused_render_server_is_reaped_then_resumes_its_stream() -> None:
         assert tokens == list(range(10, 50))
         assert server.counters.reaped_clients == 1
         assert resends == 1
+
+
+def test_a_generate_that_fails_to_decode_is_refused_not_left_unanswered() -> None:
+    """A Generate the worker cannot decode (a negative stop token id) but whose request
+    id is readable gets a Rejected, so its stream ends with an error instead of waiting."""
+    engine = ScriptedEngine(step_s=0.01)
+    with running_server(engine, client_timeout_s=5) as server:
+
+        async def main() -> None:
+            async with started_pool(server.endpoint) as pool:
+                bad = request("bad", 3)
+                bad.sampling.stop_token_ids = [-1]  # passes no validator on this side
+                stream = await pool.submit(bad)
+                with pytest.raises(WorkerError) as caught:
+                    async with asyncio.timeout(5):
+                        await stream.accepted()
+                assert caught.value.reject_code == "invalid_request"
+
+        asyncio.run(main())
+        assert server.counters.bad_frames == 1

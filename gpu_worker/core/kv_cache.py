@@ -11,6 +11,10 @@ Free-list order is part of the contract (tests assert exact block ids):
   evicting anything useful.
 - A sequence's blocks are freed last-to-first, so its tail blocks (least likely to be
   shared) are evicted before its prefix blocks.
+
+Once `record_events()` is called, every change to the set of cached hashes is also kept
+as an event (stored, removed, all cleared), in order, for the server to publish
+(`gpu_worker.server.kv_events`) the way vLLM does; until then nothing is recorded.
 """
 
 from __future__ import annotations
@@ -31,6 +35,32 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: BlockHash | None = None
+
+
+@dataclass(slots=True)
+class BlockStored:
+    """Consecutive blocks of one sequence newly cached under their hashes."""
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    """The hash of the block before the first one; None when it is the sequence's first."""
+    token_ids: list[int]
+    """Every token of those blocks, block after block."""
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    """Cached blocks evicted: their hashes no longer find them."""
+
+    block_hashes: list[BlockHash]
+
+
+@dataclass(slots=True)
+class AllBlocksCleared:
+    """The prefix cache forgot every hash."""
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 @dataclass
@@ -55,6 +85,14 @@ class BlockPool:
         # block_id -> Block with ref_count 0, front = next to be handed out.
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, Block] = {}
+        self.events: list[KVCacheEvent] | None = None
+        """Changes to the cached hashes since the server last took them; None (and no
+        cost beyond a check) while nobody listens."""
+
+    @property
+    def cached_hashes(self) -> set[BlockHash]:
+        """Every hash a lookup would find now (what KV events describe)."""
+        return set(self._cached)
 
     @property
     def num_free_blocks(self) -> int:
@@ -74,6 +112,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
+                if self.events is not None:
+                    self._removed(block.block_hash)
             block.block_hash = None
         block.ref_count = 1
         return block
@@ -92,8 +132,9 @@ class BlockPool:
             if block.block_hash is None:
                 self._free.move_to_end(block.block_id, last=False)
 
-    def cache_block(self, block: Block, block_hash: BlockHash) -> None:
-        """Register a full, computed block under its hash, unless that hash is taken.
+    def cache_block(self, block: Block, block_hash: BlockHash) -> bool:
+        """Register a full, computed block under its hash, unless that hash is taken;
+        True if it was registered.
 
         Two sequences that computed the same prefix in the same step both end up here;
         the first block keeps the hash and the duplicate stays unhashed (freed first).
@@ -101,12 +142,25 @@ class BlockPool:
         if block.block_hash is None and block_hash not in self._cached:
             block.block_hash = block_hash
             self._cached[block_hash] = block
+            return True
+        return False
 
     def reset_prefix_cache(self) -> None:
         """Forget every hash; blocks in use keep their KV but can no longer be shared."""
         for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
+
+    def _removed(self, block_hash: BlockHash) -> None:
+        assert self.events is not None
+        # Evictions come in runs (one per new block a step takes): one event per run.
+        last = self.events[-1] if self.events else None
+        if isinstance(last, BlockRemoved):
+            last.block_hashes.append(block_hash)
+        else:
+            self.events.append(BlockRemoved([block_hash]))
 
 
 class KVCacheManager:
@@ -134,6 +188,19 @@ class KVCacheManager:
     @property
     def hit_rate(self) -> float:
         return self.stats.hit_rate
+
+    def record_events(self) -> None:
+        """Keep every change to the cached hashes from now on, for `take_events`."""
+        if self.pool.events is None:
+            self.pool.events = []
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events since the last call, oldest first (none unless recording)."""
+        events = self.pool.events
+        if not events:
+            return []
+        self.pool.events = []
+        return events
 
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
         """Longest run of cached leading blocks of `seq`: (block ids, tokens they cover).
@@ -190,8 +257,23 @@ class KVCacheManager:
             return
         num_full = seq.num_computed_tokens // self.block_size
         start = self._num_hashed_blocks.get(seq.request_id, 0)
+        events = self.pool.events
+        run: BlockStored | None = None
         for i in range(start, num_full):
-            self.pool.cache_block(self.pool.blocks[seq.block_table[i]], seq.block_hashes[i])
+            block_hash = seq.block_hashes[i]
+            if not self.pool.cache_block(self.pool.blocks[seq.block_table[i]], block_hash):
+                run = None  # a duplicate: the blocks after it chain from its hash
+                continue
+            if events is None:
+                continue
+            tokens = seq.all_token_ids[i * self.block_size : (i + 1) * self.block_size]
+            if run is None:
+                parent = seq.block_hashes[i - 1] if i > 0 else None
+                run = BlockStored([block_hash], parent, tokens)
+                events.append(run)
+            else:
+                run.block_hashes.append(block_hash)
+                run.token_ids.extend(tokens)
         self._num_hashed_blocks[seq.request_id] = max(start, num_full)
 
     def free(self, seq: Sequence) -> None:

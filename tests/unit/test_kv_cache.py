@@ -1,11 +1,20 @@
-"""KVCacheManager: exact block ids, ref counts, prefix hits and eviction order."""
+"""KVCacheManager: exact block ids, ref counts, prefix hits, eviction order and the KV
+cache events that describe the cached hashes."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 
 from gpu_worker.core.config import CacheConfig
-from gpu_worker.core.kv_cache import KVCacheManager
+from gpu_worker.core.kv_cache import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVCacheManager,
+)
 from gpu_worker.core.sequence import Sequence
 from shared.hashing import prefix_block_hashes
 from shared.sampling import SamplingParams
@@ -222,3 +231,113 @@ def test_reset_prefix_cache() -> None:
     assert kv.get_computed_blocks(make_seq("b", list(range(40)))) == ([], 0)
     assert all(block.block_hash is None for block in kv.pool.blocks)
     assert kv.num_free_blocks == 8
+
+
+# ---- KV cache events ----------------------------------------------------------------
+
+
+def replay(events: list[KVCacheEvent], cached: set[bytes] | None = None) -> set[bytes]:
+    """The cached-hash set a subscriber rebuilds from the events."""
+    cached = set() if cached is None else cached
+    for event in events:
+        if isinstance(event, BlockStored):
+            cached.update(event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            cached.difference_update(event.block_hashes)
+        else:
+            cached.clear()
+    return cached
+
+
+def test_no_events_are_kept_until_asked() -> None:
+    kv = make_kv()
+    compute(kv, make_seq("a", list(range(40))))
+    assert kv.pool.events is None
+    assert kv.take_events() == []
+
+
+def test_stored_events_chain_blocks_with_their_tokens() -> None:
+    kv = make_kv()
+    kv.record_events()
+    a = make_seq("a", list(range(40)))  # two full blocks, one partial
+    compute(kv, a)
+    [stored] = kv.take_events()
+    assert stored == BlockStored(a.block_hashes[:2], None, list(range(32)))
+    assert kv.take_events() == []
+
+    a.append_token(7)  # decode fills no block yet: nothing new is cached
+    a.num_computed_tokens = a.num_tokens
+    kv.cache_full_blocks(a)
+    assert kv.take_events() == []
+    for token in range(7):
+        a.append_token(token)
+    assert kv.allocate_slots(a, 7)
+    a.num_computed_tokens = a.num_tokens
+    kv.cache_full_blocks(a)
+    [third] = kv.take_events()
+    assert third.block_hashes == [a.block_hashes[2]]
+    assert third.parent_block_hash == a.block_hashes[1]
+    assert third.token_ids == a.all_token_ids[32:48]
+
+
+def test_a_duplicate_block_splits_the_run_and_is_not_announced() -> None:
+    kv = make_kv()
+    kv.record_events()
+    prompt = list(range(20))
+    a, b = make_seq("a", prompt), make_seq("b", prompt + list(range(30)))
+    kv.allocate_slots(a, 20)
+    kv.allocate_slots(b, 50)
+    for seq in (a, b):  # both computed block 0 in the same step
+        seq.num_computed_tokens = seq.num_tokens
+        kv.cache_full_blocks(seq)
+    first, rest = kv.take_events()
+    assert first == BlockStored([a.block_hashes[0]], None, prompt[:16])
+    assert rest.block_hashes == b.block_hashes[1:3]
+    assert rest.parent_block_hash == b.block_hashes[0]  # cached, in a's block
+    assert replay([first, rest]) == kv.pool.cached_hashes
+
+
+def test_evictions_and_reset_are_announced() -> None:
+    kv = make_kv(num_blocks=4)
+    kv.record_events()
+    a = make_seq("a", list(range(48)))
+    compute(kv, a)
+    kv.free(a)
+    b = make_seq("b", [5] * 40)
+    assert kv.allocate_slots(b, 40)  # block 3 is free; then blocks 2 and 1 are evicted
+    events = kv.take_events()
+    assert events[-1] == BlockRemoved([a.block_hashes[2], a.block_hashes[1]])
+    assert replay(events) == kv.pool.cached_hashes == {a.block_hashes[0]}
+    kv.reset_prefix_cache()
+    assert kv.take_events() == [AllBlocksCleared()]
+
+
+def test_events_rebuild_the_cached_set_under_a_random_workload() -> None:
+    rng = random.Random(14)
+    kv = make_kv(num_blocks=24)
+    kv.record_events()
+    rebuilt: set[bytes] = set()
+    running: list[Sequence] = []
+    stems = [[rng.randrange(50) for _ in range(40)] for _ in range(4)]
+    for step in range(400):
+        if running and rng.random() < 0.3:
+            kv.free(running.pop(rng.randrange(len(running))))
+        if rng.random() < 0.5:
+            stem = rng.choice(stems)[: rng.randrange(1, 41)]
+            tokens = stem + [rng.randrange(50)] * rng.randrange(30)
+            seq = make_seq(f"s{step}", tokens, salt=rng.choice([None, None, "t"]))
+            cached, num_cached = kv.get_computed_blocks(seq)
+            if kv.allocate_slots(seq, seq.num_tokens - num_cached, cached):
+                seq.num_computed_tokens = seq.num_tokens
+                kv.cache_full_blocks(seq)
+                running.append(seq)
+        for seq in running:  # a decode step each
+            seq.append_token(rng.randrange(50))
+            if kv.allocate_slots(seq, 1):
+                seq.num_computed_tokens = seq.num_tokens
+                kv.cache_full_blocks(seq)
+        if rng.random() < 0.01:
+            kv.reset_prefix_cache()
+        replay(kv.take_events(), rebuilt)
+        assert rebuilt == kv.pool.cached_hashes, f"step {step}"
+    assert rebuilt, "the workload should leave something cached"

@@ -2,13 +2,18 @@
 
 Starts a gpu-worker and a render-serve on loopback, then keeps `--concurrency` clients
 busy for `--duration` seconds with a mix of normal requests, streams, streams the client
-drops after a few chunks, and bad requests. It reports:
+drops after a few chunks, and bad requests; beside them, unless `--no-attackers`, the
+attacker mix of bench/soak_attacks.py (slow sockets, huge headers, deep JSON, long
+prompts, the render process paused with SIGSTOP and continued). It reports:
 
 - lost requests: every request must either complete (200 with a finished body or a
   stream that ends in `[DONE]`), be dropped by its own client, or get a proper error
-  (4xx/429/503 in OpenAI's error shape, or an error event in the stream); a timeout, a
-  5xx, a broken connection or a truncated stream is lost;
-- RSS and open file descriptors of both processes, sampled every `--sample-every` s;
+  (4xx/429/503 in OpenAI's error shape, or an error event in the stream); a 5xx, a broken
+  connection or a truncated stream is lost, a client timeout is hung;
+- unlogged 5xx: every 5xx answer's X-Request-Id must be in the render server's log;
+- /health latency (p50, p99, max) outside the pauses: the event loop never stalls;
+- RSS and open file descriptors of both processes, sampled every `--sample-every` s, and
+  the render RSS once the traffic stopped against its warm-up level;
 - the worker's KV cache (from its heartbeats) once the traffic stops: it must be idle.
 
 Not part of CI. The documented run is 10 minutes:
@@ -42,6 +47,14 @@ from pathlib import Path
 import httpx
 import zmq
 from results_md import write_section
+from soak_attacks import (
+    AttackTally,
+    HealthProbe,
+    heavy_inputs,
+    pause_render,
+    probe_health,
+    slow_sockets,
+)
 from subprocesses import free_port, stop, wait_http_ok, wait_ready_line
 
 from shared.protocol import Encoder, Heartbeat, Hello, WorkerMessageDecoder, WorkerStats
@@ -188,8 +201,8 @@ class Tally:
 
     def add(self, kind: str, outcome: str, detail: str = "") -> None:
         self.outcomes[(kind, outcome)] += 1
-        if outcome == "lost":
-            self.lost.append(f"{kind}: {detail}"[:300])
+        if outcome in ("lost", "hung"):
+            self.lost.append(f"{kind} {outcome}: {detail}"[:300])
 
     @property
     def total(self) -> int:
@@ -206,7 +219,13 @@ def is_error_body(payload: object) -> bool:
     )
 
 
+SERVER_ERRORS: list[str] = []
+"""X-Request-Id of every 5xx answer seen (the clients share one process)."""
+
+
 def _judge_error(response: httpx.Response) -> tuple[str, str]:
+    if response.status_code >= 500:
+        SERVER_ERRORS.append(response.headers.get("x-request-id", "(none)"))
     if response.status_code >= 500 and response.status_code != 503:
         return "lost", f"{response.status_code}: {response.text[:200]}"
     try:
@@ -309,6 +328,8 @@ async def client_loop(
             kind = rng.choices(kinds, weights)[0]
             try:
                 outcome, detail = await one_request(http, rng, kind)
+            except httpx.TimeoutException as exc:
+                outcome, detail = "hung", f"{type(exc).__name__}: {exc}"
             except (httpx.HTTPError, ValueError, KeyError) as exc:
                 outcome, detail = "lost", f"{type(exc).__name__}: {exc}"
             tally.add(kind, outcome, detail)
@@ -336,16 +357,39 @@ async def sampler(
         await asyncio.sleep(min(every_s, max(0.0, until - now)))
 
 
-async def run_traffic(args: argparse.Namespace, base_url: str, pids: tuple[int, int]) -> tuple:
+@dataclass
+class Attackers:
+    """What the attacker mix and the /health probe saw."""
+
+    tally: AttackTally = field(default_factory=AttackTally)
+    health: HealthProbe = field(default_factory=HealthProbe)
+
+
+async def run_traffic(
+    args: argparse.Namespace, base_url: str, pids: tuple[int, int]
+) -> tuple[Tally, list[Sample], Attackers]:
     tally = Tally()
+    attackers = Attackers()
     until = time.monotonic() + args.duration
-    clients = [
+    host, port = "127.0.0.1", int(base_url.rsplit(":", 1)[1])
+    tasks = [
         client_loop(base_url, args.seed + index, until, args.request_timeout, tally)
         for index in range(args.concurrency)
     ]
+    tasks.append(probe_health(base_url, attackers.health, until, every_s=0.2))
+    if not args.no_attackers:
+        # Slow sockets must be closed by the header / body / keep-alive timeouts (10, 30
+        # and 5 s by default) plus the time their trickle takes to notice.
+        tasks += [
+            slow_sockets(host, port, attackers.tally, until, args.slow_sockets, limit_s=45),
+            heavy_inputs(base_url, host, port, attackers.tally, until, args.seed),
+            pause_render(
+                pids[1], attackers.health, attackers.tally, until, args.pause_every, args.pause_for
+            ),
+        ]
     sampling = asyncio.create_task(sampler(*pids, args.sample_every, until, tally))
-    await asyncio.gather(*clients)
-    return tally, await sampling
+    await asyncio.gather(*tasks)
+    return tally, await sampling, attackers
 
 
 # ---- report ---------------------------------------------------------------------------
@@ -357,20 +401,82 @@ def growth(samples: list[Sample], attribute: str) -> float:
     return getattr(samples[-1], attribute) - getattr(warm, attribute)
 
 
+@dataclass
+class AfterRun:
+    """What is checked once the traffic stopped."""
+
+    idle: WorkerStats
+    idle_after_s: float
+    render_rss_mb: float
+    """The render process's RSS a few seconds after the traffic stopped."""
+    unlogged_5xx: list[str]
+    """X-Request-Id of 5xx answers the render log does not name."""
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def attack_lines(args: argparse.Namespace, attackers: Attackers) -> tuple[list[str], bool]:
+    """The attacker and /health part of the report, and whether it passed."""
+    latencies = attackers.health.latencies_outside_pauses()
+    p99 = percentile(latencies, 0.99)
+    health_ok = p99 < args.max_health_p99_s
+    lines = [
+        "",
+        f"/health every 0.2 s outside the {len(attackers.health.pauses)} pauses: "
+        f"{len(latencies)} probes, p50 {1000 * percentile(latencies, 0.5):.1f} ms, "
+        f"p99 {1000 * p99:.1f} ms, max {1000 * max(latencies, default=float('nan')):.1f} ms "
+        f"(limit p99 {1000 * args.max_health_p99_s:.0f} ms).",
+    ]
+    if args.no_attackers:
+        return lines, health_ok
+    tally = attackers.tally
+    kinds = sorted({kind for kind, _ in tally.outcomes})
+    lines += [
+        "",
+        f"Attackers beside the traffic: {args.slow_sockets} slow sockets at a time (a third "
+        "trickling headers, a third a body, a third idle), one of a 16 MB header / 100,000-deep "
+        "JSON / 6,000-word prompt at a time, and the render process stopped (SIGSTOP) for "
+        f"{args.pause_for:g} s every {args.pause_every:g} s (the worker drops a client silent "
+        "2 s, so each pause makes the render server re-greet it and resume its streams).",
+        "",
+        "| attack | handled | not handled |",
+        "|---|---:|---:|",
+    ]
+    lines += [f"| {k} | {tally.count(k, 'ok')} | {tally.count(k, 'lost')} |" for k in kinds]
+    if tally.failures:
+        lines += ["", "Attacks not handled (first 10):", ""]
+        lines += [f"- {item}" for item in tally.failures[:10]]
+    return lines, health_ok and not tally.failures
+
+
 def report(
     args: argparse.Namespace,
     tally: Tally,
     samples: list[Sample],
-    idle: WorkerStats,
-    idle_after_s: float,
+    after: AfterRun,
+    attackers: Attackers,
 ) -> tuple[str, bool]:
+    idle, idle_after_s = after.idle, after.idle_after_s
     by_outcome = Counter(outcome for (_, outcome) in tally.outcomes.elements())
     rss_growth = {name: growth(samples, f"{name}_rss_mb") for name in ("worker", "render")}
     fd_growth = {name: growth(samples, f"{name}_fds") for name in ("worker", "render")}
+    warm_render = samples[len(samples) // 5].render_rss_mb
+    rss_back = after.render_rss_mb - warm_render <= args.max_rss_growth_mb
     flat = all(value <= args.max_rss_growth_mb for value in rss_growth.values()) and all(
         value <= args.max_fd_growth for value in fd_growth.values()
     )
-    passed = not tally.lost and is_idle(idle) and flat
+    attacks, attacks_passed = attack_lines(args, attackers)
+    passed = (
+        not tally.lost
+        and is_idle(idle)
+        and flat
+        and rss_back
+        and not after.unlogged_5xx
+        and attacks_passed
+    )
     lines = [
         "## Soak (bench/soak.py)",
         "",
@@ -383,16 +489,19 @@ def report(
         "request).",
         "",
         f"**{'PASS' if passed else 'FAIL'}**: {tally.total} requests, "
-        f"{len(tally.lost)} lost; {by_outcome['ok']} completed, {by_outcome['dropped']} dropped "
-        f"by their client, {by_outcome['error']} answered with a proper error. KV idle "
-        f"{idle_after_s:.1f} s after the traffic stopped ({idle.kv_blocks_free}/"
-        f"{idle.kv_blocks_total} blocks free, {idle.num_running} running).",
+        f"{by_outcome['lost']} lost, {by_outcome['hung']} hung; {by_outcome['ok']} completed, "
+        f"{by_outcome['dropped']} dropped by their client, {by_outcome['error']} answered with "
+        f"a proper error; {len(SERVER_ERRORS)} 5xx answers, {len(after.unlogged_5xx)} of them "
+        f"not in the render log. KV idle {idle_after_s:.1f} s after the traffic stopped "
+        f"({idle.kv_blocks_free}/{idle.kv_blocks_total} blocks free, {idle.num_running} "
+        "running).",
         "",
-        "| kind | ok | dropped | error | lost |",
-        "|---|---:|---:|---:|---:|",
+        "| kind | ok | dropped | error | lost | hung |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for kind in KINDS:
-        counts = [tally.outcomes[(kind, outcome)] for outcome in ("ok", "dropped", "error", "lost")]
+        outcomes = ("ok", "dropped", "error", "lost", "hung")
+        counts = [tally.outcomes[(kind, outcome)] for outcome in outcomes]
         lines.append(f"| {kind} | " + " | ".join(str(count) for count in counts) + " |")
     lines += [
         "",
@@ -413,7 +522,10 @@ def report(
         "Growth from the end of warm-up (first fifth) to the end: worker RSS "
         f"{rss_growth['worker']:+.1f} MB, render RSS {rss_growth['render']:+.1f} MB, worker fds "
         f"{fd_growth['worker']:+d}, render fds {fd_growth['render']:+d} (limits: "
-        f"{args.max_rss_growth_mb:g} MB, {args.max_fd_growth} fds).",
+        f"{args.max_rss_growth_mb:g} MB, {args.max_fd_growth} fds). Render RSS "
+        f"{after.render_rss_mb:.0f} MB once the traffic stopped, against {warm_render:.0f} MB "
+        f"after warm-up ({after.render_rss_mb - warm_render:+.1f} MB).",
+        *attacks,
     ]
     if tally.lost:
         lines += ["", "Lost requests (first 10):", ""] + [f"- {item}" for item in tally.lost[:10]]
@@ -423,13 +535,14 @@ def report(
 @contextmanager
 def servers(
     args: argparse.Namespace,
+    logs: Path,
 ) -> Iterator[tuple[subprocess.Popen, str, subprocess.Popen, str]]:
-    logs = Path(tempfile.mkdtemp(prefix="duet-soak-"))
     print(f"logs in {logs}", flush=True)
+    worker_args = ["--kv-cache-memory-gb", "0.25", "--max-num-seqs", "64"]
+    if not args.no_attackers:
+        worker_args += ["--client-timeout", "2"]  # a pause of the render server outlasts it
     worker, address = start_worker(
-        logs / "worker.log",
-        ["--kv-cache-memory-gb", "0.25", "--max-num-seqs", "64", *args.worker_arg],
-        args.worker_threads,
+        logs / "worker.log", [*worker_args, *args.worker_arg], args.worker_threads
     )
     try:
         render, base_url = start_render(logs / "render.log", [address], [])
@@ -451,12 +564,19 @@ def main() -> None:
     parser.add_argument("--worker-arg", action="append", default=[], help="extra worker flag")
     parser.add_argument("--max-rss-growth-mb", type=float, default=64.0)
     parser.add_argument("--max-fd-growth", type=int, default=8)
+    parser.add_argument("--max-health-p99-s", type=float, default=0.1)
+    parser.add_argument("--no-attackers", action="store_true", help="normal traffic only")
+    parser.add_argument("--slow-sockets", type=int, default=12, help="open at a time")
+    parser.add_argument("--pause-every", type=float, default=60.0, help="seconds between pauses")
+    parser.add_argument("--pause-for", type=float, default=3.0, help="seconds each pause lasts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-write", action="store_true", help="do not touch RESULTS.md")
     args = parser.parse_args()
 
-    with servers(args) as (worker, address, render, base_url):
-        tally, samples = asyncio.run(run_traffic(args, base_url, (worker.pid, render.pid)))
+    logs = Path(tempfile.mkdtemp(prefix="duet-soak-"))
+    with servers(args, logs) as (worker, address, render, base_url):
+        pids = (worker.pid, render.pid)
+        tally, samples, attackers = asyncio.run(run_traffic(args, base_url, pids))
         stopped = time.monotonic()
         probe = WorkerProbe(address)
         try:
@@ -466,8 +586,13 @@ def main() -> None:
         finally:
             probe.close()
         idle_after_s = time.monotonic() - stopped
+        time.sleep(max(0.0, 5.0 - idle_after_s))  # let the last buffers go before measuring
+        render_rss = rss_mb(render.pid)
         alive = worker.poll() is None and render.poll() is None
-    body, passed = report(args, tally, samples, idle, idle_after_s)
+    render_log = (logs / "render.log").read_text(errors="replace")
+    unlogged = [request_id for request_id in SERVER_ERRORS if request_id not in render_log]
+    after = AfterRun(idle, idle_after_s, render_rss, unlogged)
+    body, passed = report(args, tally, samples, after, attackers)
     passed &= alive
     print(body)
     if not args.no_write:

@@ -6,8 +6,9 @@ ids equal `tokenizer.apply_chat_template(..., tokenize=True)`. A template is cod
 write, so each render runs under a deadline and an output budget; a render past its deadline
 gets an exception raised into its thread and the request fails alone. Renders of the server's
 own template with small inputs run in the calling thread (the event loop's, over HTTP), timed
-by one watchdog thread; request-supplied templates and large inputs run on a small pool.
-The sandbox lives in template_sandbox.py, the deadline machinery in render_deadline.py.
+by one watchdog thread; large inputs and request-supplied templates run on a small pool, the
+latter rendered by a child process that is killed at the deadline. The sandbox lives in
+sandbox.py, the deadline machinery in deadline.py, the child processes in isolation.py.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import contextlib
 import functools
 import json
 import re
+import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,6 +35,7 @@ from render_server.templating.errors import (
     ChatTemplateTooLarge,
     RequestTemplateNotAllowed,
 )
+from render_server.templating.isolation import TemplateProcesses
 from render_server.templating.sandbox import SandboxEnvironment
 from render_server.templating.tokenizer import Tokenizer
 
@@ -239,8 +242,8 @@ class ChatRenderer:
     budget, and tokenizes the result the way `apply_chat_template(tokenize=True)` does.
 
     The server's own template renders in the caller's thread when the input is small (at most
-    `inline_max_chars`); request templates and large inputs render on the pool. Either way
-    the deadline interrupts the render."""
+    `inline_max_chars`); request templates and large inputs render on the pool, request
+    templates by a child process. Either way the deadline interrupts the render."""
 
     def __init__(
         self,
@@ -263,6 +266,13 @@ class ChatRenderer:
         self.inline_max_chars = inline_max_chars
         self._env = SandboxEnvironment(max_output_chars)
         self._compile = functools.lru_cache(maxsize=template_cache_size)(self._compile_uncached)
+        self._content_parts = functools.lru_cache(maxsize=template_cache_size)(
+            self._content_parts_uncached
+        )
+        # Request templates render in processes that can be killed (isolation.py says why).
+        self._processes = (
+            TemplateProcesses(max_output_chars) if trust_request_chat_template else None
+        )
         self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="chat-render")
         self._watchdog = Watchdog(render_deadline_s)
         named = [("bos_token", tokenizer.bos_token), ("eos_token", tokenizer.eos_token)]
@@ -288,6 +298,8 @@ class ChatRenderer:
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._watchdog.close()
+        if self._processes is not None:
+            self._processes.close()
 
     def render(
         self,
@@ -387,8 +399,8 @@ class ChatRenderer:
             if value is not None and not all(isinstance(item, Mapping) for item in value):
                 raise ChatTemplateError(f"{name} must be a list of objects")
         call = functools.partial(
-            self._render_now, source, messages, add_generation_prompt,
-            continue_final_message, tools, documents, kwargs,
+            self._render_now, source, chat_template is not None, messages,
+            add_generation_prompt, continue_final_message, tools, documents, kwargs,
         )  # fmt: skip
         inline = chat_template is None and _fits_inline(
             (messages, tools, documents, kwargs), self.inline_max_chars
@@ -414,17 +426,16 @@ class ChatRenderer:
             raise self._timeout() from None
 
     def _compile_uncached(self, source: str) -> tuple[jinja2.Template, bool]:
-        try:
-            ast = self._env.parse(source)
-            return self._env.from_string(ast), _iterates_content(ast)
-        except jinja2.TemplateSyntaxError as exc:
-            raise ChatTemplateError(
-                f"chat template syntax error, line {exc.lineno}: {exc}"
-            ) from None
+        ast = self._env.parse_template(source)
+        return self._env.compile_template(ast), _iterates_content(ast)
+
+    def _content_parts_uncached(self, source: str) -> bool:
+        return _iterates_content(self._env.parse_template(source))
 
     def _render_now(
         self,
         source: str,
+        from_request: bool,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool,
         continue_final_message: bool,
@@ -432,7 +443,11 @@ class ChatRenderer:
         documents: list[dict[str, Any]] | None,
         kwargs: dict[str, Any],
     ) -> RenderedChat:
-        template, content_parts = self._compile(source)
+        deadline = time.monotonic() + self.render_deadline_s
+        if from_request:  # parsed here for its syntax and shape, compiled in the child
+            template, content_parts = None, self._content_parts(source)
+        else:
+            template, content_parts = self._compile(source)
         chat = _prepare_messages(messages, content_parts)
         tools, documents, kwargs = _plain(tools), _plain(documents), _plain(kwargs)
         by_sentinel: dict[str, str] = {}
@@ -445,7 +460,14 @@ class ChatRenderer:
         final_text = _tag_final_message(chat) if continue_final_message else None
         context = {**self._token_vars, **kwargs, "messages": chat, "tools": tools}
         context.update(documents=documents, add_generation_prompt=add_generation_prompt)
-        text = self._generate(template, context)
+        if template is not None:
+            text = self._env.generate_text(template, context)
+        else:
+            assert self._processes is not None  # `_plan` let a request template through
+            try:
+                text = self._processes.render(source, context, deadline)
+            except ChatTemplateTimeout:  # one message, whichever side saw the deadline first
+                raise self._timeout() from None
         if final_text is not None:
             text = _cut_after_final_message(text, final_text)
         return self._tokenize(text, by_sentinel)
@@ -455,25 +477,6 @@ class ChatRenderer:
         return self._protect_hint.search(text) is not None and (
             self._protect_re.search(text) is not None
         )
-
-    def _generate(self, template: jinja2.Template, context: dict[str, Any]) -> str:
-        chunks: list[str] = []
-        size = 0
-        try:
-            for chunk in template.generate(context):
-                size += len(chunk)
-                if size > self.max_output_chars:
-                    raise ChatTemplateTooLarge(
-                        f"chat template output passed {self.max_output_chars} characters"
-                    )
-                chunks.append(chunk)
-        except ChatTemplateError:
-            raise
-        except jinja2.exceptions.SecurityError as exc:
-            raise ChatTemplateError(f"chat template blocked by the sandbox: {exc}") from None
-        except Exception as exc:  # a template can fail in any way its Python calls can
-            raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from None
-        return "".join(chunks)
 
     def _tokenize(self, text: str, by_sentinel: dict[str, str]) -> RenderedChat:
         tokenizer = self.tokenizer

@@ -3,10 +3,11 @@ checks wherever one C call could build a huge value that no deadline can interru
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
 from typing import Any
 
@@ -136,6 +137,14 @@ def _format_widths(fmt: str) -> list[int]:
     return [int(d) if len(d) < 12 else 10**12 for d in digits]
 
 
+@contextlib.contextmanager
+def _syntax_errors() -> Iterator[None]:
+    try:
+        yield
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateError(f"chat template syntax error, line {exc.lineno}: {exc}") from None
+
+
 # What jinja passes ahead of the filtered value to pass_context/environment/eval_context filters.
 _PASSED_ARGS = (jinja2.Environment, Context, jinja2.nodes.EvalContext)
 
@@ -167,6 +176,36 @@ class SandboxEnvironment(ImmutableSandboxedEnvironment):
             dict=_TemplateDict(),
             namespace=_Namespace,
         )
+
+    def parse_template(self, source: str) -> jinja2.nodes.Template:
+        """The template's syntax tree; a syntax error is a ChatTemplateError naming its line."""
+        with _syntax_errors():
+            return self.parse(source)
+
+    def compile_template(self, ast: jinja2.nodes.Template) -> jinja2.Template:
+        with _syntax_errors():  # unknown filters and tests are found here
+            return self.from_string(ast)
+
+    def generate_text(self, template: jinja2.Template, context: dict[str, Any]) -> str:
+        """Render `template`, stopping once its output passes the budget; any way it fails
+        is a ChatTemplateError."""
+        chunks: list[str] = []
+        size = 0
+        try:
+            for chunk in template.generate(context):
+                size += len(chunk)
+                if size > self.max_value_chars:
+                    raise ChatTemplateTooLarge(
+                        f"chat template output passed {self.max_value_chars} characters"
+                    )
+                chunks.append(chunk)
+        except ChatTemplateError:
+            raise
+        except jinja2.exceptions.SecurityError as exc:
+            raise ChatTemplateError(f"chat template blocked by the sandbox: {exc}") from None
+        except Exception as exc:  # a template can fail in any way its Python calls can
+            raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+        return "".join(chunks)
 
     def _check_size(self, size: int) -> None:
         if size > self.max_value_chars:

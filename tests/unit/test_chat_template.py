@@ -4,6 +4,7 @@ budgets."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import threading
@@ -303,12 +304,10 @@ def test_openai_string_tool_arguments_render_as_objects(
     assert '"arguments": "{not json"' in _render(renderers["qwen2.5"], as_strings).text
 
 
-def test_long_render_tokenizes_without_holding_the_gil(smollm2_tokenizer: Tokenizer) -> None:
-    """A megabyte message renders on the pool; tokenizing it there must not stop the other
-    threads (the event loop's, over HTTP) for the seconds it takes."""
-    renderer = ChatRenderer(smollm2_tokenizer, render_deadline_s=60.0)
-    words = (f"lorem{i % 1009} ipsum, dolor" for i in range(50_000))
-    messages = [{"role": "user", "content": " ".join(words)}]  # 1.1 MB
+@contextlib.contextmanager
+def _gil_waits() -> Iterator[list[float]]:
+    """Gaps between the ticks of a thread that wakes every millisecond: how long other
+    threads (the event loop's, over HTTP) had to wait for the GIL meanwhile."""
     gaps: list[float] = []
     stop = threading.Event()
 
@@ -322,10 +321,42 @@ def test_long_render_tokenizes_without_holding_the_gil(smollm2_tokenizer: Tokeni
     ticker = threading.Thread(target=tick)
     ticker.start()
     try:
-        rendered = renderer.render(messages)
+        yield gaps
     finally:
         stop.set()
         ticker.join()
-        renderer.close()
+
+
+def test_long_render_tokenizes_without_holding_the_gil(smollm2_tokenizer: Tokenizer) -> None:
+    """A megabyte message renders on the pool; tokenizing it there must not stop the other
+    threads for the seconds it takes."""
+    renderer = ChatRenderer(smollm2_tokenizer, render_deadline_s=60.0)
+    words = (f"lorem{i % 1009} ipsum, dolor" for i in range(50_000))
+    messages = [{"role": "user", "content": " ".join(words)}]  # 1.1 MB
+    with _gil_waits() as gaps:
+        rendered = renderer.render(messages)
+    renderer.close()
     assert len(rendered.token_ids) > 100_000
+    assert max(gaps) < 0.1, f"another thread waited {max(gaps):.2f}s for the GIL"
+
+
+def test_request_template_stopped_in_one_long_c_call(smollm2_tokenizer: Tokenizer) -> None:
+    """One C call of seconds (each comparison is 30,000 characters long) is nothing the
+    sandbox refuses and no exception raised into a thread can stop: a request's template
+    renders in a child process, killed at the deadline, and no thread here waits for it."""
+    deadline_s = 0.5
+    renderer = ChatRenderer(
+        smollm2_tokenizer, render_deadline_s=deadline_s, trust_request_chat_template=True
+    )
+    renderer.render(HELLO, chat_template="{{ 'warm' }}")  # the child's start is not the test
+    long_call = "{% set s = 'a' * 30000 %}{% set x = 'a' * 29999 ~ 'b' %}{{ x in [s] * 3000000 }}"
+    with _gil_waits() as gaps:
+        started = time.monotonic()
+        with pytest.raises(ChatTemplateTimeout):
+            renderer.render(HELLO, chat_template=long_call)
+        elapsed = time.monotonic() - started
+    # The next request template gets a fresh child.
+    assert renderer.render(HELLO, chat_template="{{ 'next' }}").text == "next"
+    renderer.close()
+    assert deadline_s <= elapsed < deadline_s + 0.5
     assert max(gaps) < 0.1, f"another thread waited {max(gaps):.2f}s for the GIL"

@@ -111,7 +111,7 @@ def build_state(settings: RenderSettings) -> RenderState:
         metrics=metrics,
         token_text=TokenText(tokenizer),
         generation_metrics=GenerationMetrics(
-            metrics, workers.statuses if workers is not None else None
+            metrics, workers.statuses if workers is not None else None, model_name=source.name
         ),
         workers=workers,
         discovery=discovery,

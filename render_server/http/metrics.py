@@ -6,14 +6,20 @@ Each app owns its CollectorRegistry (never the global one), so two apps in one p
 With `render-serve --processes N` every process writes its counters and histograms to
 files in a shared directory (prometheus_client's multiprocess mode), and /metrics in any
 of them sums the files of all, plus its own live collectors (the per-worker gauges).
+
+A family may be exported through a view (`add_view`): what is recorded once is then
+shown as one or more families at scrape time (e.g. a histogram under two names with two
+sets of bucket edges), after the processes' numbers are summed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, values
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
@@ -23,6 +29,9 @@ METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 _KNOWN_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
 # Route label for requests that matched no route (404s, and 401s decided before routing).
 UNMATCHED_ROUTE = "unmatched"
+
+View = Callable[[Metric], Iterable[Metric]]
+"""What a recorded family is exported as (see `RenderMetrics.add_view`)."""
 
 _LATENCY_BUCKETS = (
     0.0005,
@@ -59,6 +68,7 @@ class RenderMetrics:
         self.multiprocess_dir = multiprocess_dir
         self.registry = CollectorRegistry()
         self._live: list[Collector] = []
+        self._views: dict[str, View] = {}
         self.http_requests = Counter(
             "duet_render_http_requests",
             "HTTP requests answered, by method, route template and status code.",
@@ -109,15 +119,36 @@ class RenderMetrics:
         self.registry.register(collector)
         self._live.append(collector)
 
+    def add_view(self, name: str, view: View) -> None:
+        """Export the family `name` (as `Metric.name` spells it: a counter without
+        `_total`) as whatever `view` makes of it, instead of as recorded."""
+        self._views[name] = view
+
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric: this registry's, or with several
         processes the sum of all their counters and histograms plus our live collectors."""
         if self.multiprocess_dir is None:
-            return generate_latest(self.registry)
+            return generate_latest(_Viewed(self.registry, self._views))
         # A fresh registry per scrape, as prometheus_client's multiprocess docs prescribe:
         # the collector reads whatever files exist now, including newly started processes'.
         registry = CollectorRegistry()
         MultiProcessCollector(registry, path=str(self.multiprocess_dir))
         for collector in self._live:
             registry.register(collector)
-        return generate_latest(registry)
+        return generate_latest(_Viewed(registry, self._views))
+
+
+class _Viewed(Collector):
+    """Every family of `source`, the ones with a view as the view shows them."""
+
+    def __init__(self, source: CollectorRegistry, views: dict[str, View]) -> None:
+        self._source = source
+        self._views = views
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._source.collect():
+            view = self._views.get(family.name)
+            if view is None:
+                yield family
+            else:
+                yield from view(family)

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
+SchedulingPolicy = Literal["fcfs", "priority"]
 
-class ModelCard(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+
+# omit_defaults: a card with default values for its newer fields still decodes on a render
+# server that predates them (the decoder refuses unknown fields).
+class ModelCard(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
     """Identity and limits of the model a worker serves.
 
     The render server refuses a worker whose `tokenizer_digest` differs from the
@@ -27,3 +33,7 @@ class ModelCard(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """KV cache block size; also the unit of the prefix hashes."""
     architecture: str = "llama"
     dtype: str = "float32"
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    """The worker's `--scheduling-policy`. Under "fcfs" it refuses a request whose
+    `priority` is not 0 (invalid_request), so the render answers 400 naming `priority`
+    before sending; under "priority" lower values run first and are preempted last."""

@@ -155,6 +155,12 @@ class RequestDelta(msgspec.Struct, array_like=True, forbid_unknown_fields=True, 
     error: ShortText | None = None
     queue_time: float | None = None
     """Seconds between the worker receiving the request and its first step (first delta)."""
+    prompt_logprobs: (
+        Annotated[list[TokenLogprobs | None], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)] | None
+    ) = None
+    """On the first delta of a request that asked for `prompt_logprobs`: one entry per
+    prompt token, in order; the first is None (nothing precedes it). Each entry is the
+    token's raw logprob, its rank and the top-k at its position."""
 
 
 def merge_delta(into: RequestDelta, new: RequestDelta) -> None:
@@ -162,8 +168,8 @@ def merge_delta(into: RequestDelta, new: RequestDelta) -> None:
 
     The one rule for coalescing, used by the worker (a client's full pipe) and the render
     tier (a busy consumer): tokens and logprobs append; a finish (with its stop token), a
-    prompt or cache count and an error take the later value; `queue_time` keeps the first
-    value set, as only a request's first delta carries it.
+    prompt or cache count and an error take the later value; `queue_time` and
+    `prompt_logprobs` keep the first value set, as only a request's first delta carries them.
     """
     into.new_token_ids.extend(new.new_token_ids)
     if new.logprobs is not None:
@@ -182,6 +188,8 @@ def merge_delta(into: RequestDelta, new: RequestDelta) -> None:
         into.error = new.error
     if into.queue_time is None:
         into.queue_time = new.queue_time
+    if into.prompt_logprobs is None:
+        into.prompt_logprobs = new.prompt_logprobs
 
 
 class Deltas(_Message, tag="deltas", kw_only=True):

@@ -15,11 +15,17 @@ import msgspec
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 1024
+MAX_ALLOWED_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 1024
+"""Token sequences in `bad_words_token_ids`; the render sends two per word (with and
+without a leading space), so this is 512 words."""
+MAX_BAD_WORD_TOKENS = 32
 MAX_TOKENS_LIMIT = 1 << 20
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+BadWord = Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_BAD_WORD_TOKENS)]
 
 
 class SamplingParamsError(ValueError):
@@ -62,6 +68,18 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     """None: no logprobs. n >= 0: the sampled token's logprob plus the top n."""
     logit_bias: Annotated[dict[int, float], msgspec.Meta(max_length=MAX_LOGIT_BIAS)] | None = None
     """Token id -> bias added to its logit, in [-100, 100]."""
+    prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    """None: none. n >= 0: each prompt token's logprob (the first has none) plus the top n
+    at its position, all on the request's first delta. Such a request skips the prefix
+    cache on admission, so every prompt position is computed."""
+    bad_words_token_ids: Annotated[list[BadWord], msgspec.Meta(max_length=MAX_BAD_WORDS)] = []
+    """Token sequences never generated: a word's last token is banned whenever the output
+    so far ends with its other tokens (the API's `bad_words`, tokenized by the render)."""
+    allowed_token_ids: (
+        Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)]
+        | None
+    ) = None
+    """Only these tokens may be sampled; None allows every token."""
 
     @property
     def is_greedy(self) -> bool:
@@ -95,6 +113,11 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
                 len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
                 f"at most {MAX_STOP_TOKEN_IDS} ids",
             ),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                f"must be in [0, {MAX_LOGPROBS}]",
+            ),
         ]
         for param, ok, message in checks:
             if not ok:
@@ -113,6 +136,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
                     raise SamplingParamsError(
                         "logit_bias", f"logit_bias token id {token_id} is outside the vocabulary"
                     )
+        self._validate_token_filters(vocab_size)
         if vocab_size is not None:
             if self.top_k > vocab_size:
                 raise SamplingParamsError("top_k", f"top_k must be at most {vocab_size}")
@@ -121,3 +145,36 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
                     raise SamplingParamsError(
                         "stop_token_ids", f"stop_token_ids: {token_id} is outside the vocabulary"
                     )
+
+    def _validate_token_filters(self, vocab_size: int | None) -> None:
+        """bad_words and allowed_token_ids: sizes, ids in the vocabulary, and at least one
+        allowed token that no single-token bad word bans."""
+        limit = vocab_size if vocab_size is not None else 1 << 31
+        words = self.bad_words_token_ids
+        if len(words) > MAX_BAD_WORDS:
+            raise SamplingParamsError("bad_words", f"bad_words: at most {MAX_BAD_WORDS} sequences")
+        for word in words:
+            if not 1 <= len(word) <= MAX_BAD_WORD_TOKENS:
+                raise SamplingParamsError(
+                    "bad_words", f"bad_words: each word is 1 to {MAX_BAD_WORD_TOKENS} tokens"
+                )
+            if not all(0 <= t < limit for t in word):
+                raise SamplingParamsError(
+                    "bad_words", "bad_words hold a token outside the vocabulary"
+                )
+        allowed = self.allowed_token_ids
+        if allowed is None:
+            return
+        if not 1 <= len(allowed) <= MAX_ALLOWED_TOKEN_IDS:
+            raise SamplingParamsError(
+                "allowed_token_ids", f"allowed_token_ids takes 1 to {MAX_ALLOWED_TOKEN_IDS} ids"
+            )
+        if not all(0 <= t < limit for t in allowed):
+            raise SamplingParamsError(
+                "allowed_token_ids", "allowed_token_ids hold a token outside the vocabulary"
+            )
+        banned = {word[0] for word in words if len(word) == 1}
+        if banned.issuperset(allowed):
+            raise SamplingParamsError(
+                "allowed_token_ids", "bad_words ban every token of allowed_token_ids"
+            )

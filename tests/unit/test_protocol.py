@@ -13,6 +13,7 @@ from shared.model_card import ModelCard
 from shared.protocol import (
     MAGIC,
     MAX_CONSTRAINT_CHARS,
+    MAX_PROMPT_TOKENS,
     PROTOCOL_VERSION,
     Abort,
     BadFrame,
@@ -33,8 +34,15 @@ from shared.protocol import (
     Welcome,
     WorkerMessageDecoder,
     WorkerStats,
+    merge_delta,
 )
-from shared.sampling import SamplingParams
+from shared.sampling import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS,
+    SamplingParams,
+    SamplingParamsError,
+)
 
 CARD = ModelCard(
     model_id="SmolLM2-135M-Instruct",
@@ -59,6 +67,9 @@ RENDER_MESSAGES = [
             stop_token_ids=[7],
             logprobs=3,
             logit_bias={5: -100.0},
+            prompt_logprobs=2,
+            bad_words_token_ids=[[5], [6, 7]],
+            allowed_token_ids=[5, 6, 7, 8],
         ),
         priority=2,
         cache_salt="tenant-a",
@@ -70,6 +81,7 @@ RENDER_MESSAGES = [
 
 WORKER_MESSAGES = [
     Welcome(worker_id="w0", model_card=CARD),
+    Welcome(worker_id="w1", model_card=msgspec.structs.replace(CARD, scheduling_policy="priority")),
     Deltas(
         deltas=[
             RequestDelta("req-1", [4, 5]),
@@ -81,6 +93,7 @@ WORKER_MESSAGES = [
                 num_prompt_tokens=30,
                 num_cached_tokens=16,
                 logprobs=[TokenLogprobs(-0.5, 2, [8, 9], [-0.4, -0.5])],
+                prompt_logprobs=[None, TokenLogprobs(-1.5, 3), TokenLogprobs(-0.1, 1, [4], [-0.1])],
             ),
         ],
         step=7,
@@ -230,6 +243,20 @@ def test_oversized_frame_raises() -> None:
             "sampling": {},
             "priority": (1 << 64) - 1,
         },
+        *(
+            {"type": "generate", "request_id": "a", "prompt_token_ids": [1], "sampling": sampling}
+            for sampling in [
+                {"prompt_logprobs": 21},
+                {"prompt_logprobs": -1},
+                {"allowed_token_ids": []},
+                {"allowed_token_ids": [-1]},
+                {"allowed_token_ids": list(range(MAX_ALLOWED_TOKEN_IDS + 1))},
+                {"bad_words_token_ids": [[]]},
+                {"bad_words_token_ids": [[-3]]},
+                {"bad_words_token_ids": [list(range(MAX_BAD_WORD_TOKENS + 1))]},
+                {"bad_words_token_ids": [[1]] * (MAX_BAD_WORDS + 1)},
+            ]
+        ),
         {"type": "hello", "protocol_version": 1, "evil": True},
         {"type": "no_such_message"},
         {"type": "abort", "request_ids": "not-a-list"},
@@ -258,3 +285,64 @@ def test_mutated_frames_never_escape_as_other_errors(position: int, byte: int) -
     frame[position % len(frame)] = byte
     with contextlib.suppress(ProtocolError):
         RenderMessageDecoder().decode(bytes(frame))
+
+
+def test_a_default_card_decodes_where_the_policy_field_is_unknown() -> None:
+    # A render server that predates `scheduling_policy` refuses unknown fields: a card
+    # with the default policy leaves it out, so such a render still accepts fcfs workers.
+    class OldCard(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+        model_id: str
+        tokenizer_digest: str
+        vocab_size: int
+        eos_token_ids: list[int]
+        bos_token_id: int | None = None
+        max_model_len: int
+        block_size: int = 16
+        architecture: str = "llama"
+        dtype: str = "float32"
+
+    old = msgspec.msgpack.decode(msgspec.msgpack.encode(CARD), type=OldCard)
+    assert old.max_model_len == CARD.max_model_len
+    # And a new render reads an old worker's card as fcfs.
+    new = msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=ModelCard)
+    assert new == CARD
+    assert new.scheduling_policy == "fcfs"
+
+
+def test_prompt_logprobs_arrive_once_and_survive_coalescing() -> None:
+    entries = [None, TokenLogprobs(-1.0, 2)]
+    into = RequestDelta("r", [1], prompt_logprobs=entries, queue_time=0.1)
+    merge_delta(into, RequestDelta("r", [2]))
+    assert into.prompt_logprobs == entries
+    late = RequestDelta("r", [1])
+    merge_delta(late, RequestDelta("r", [2], prompt_logprobs=entries))
+    assert late.prompt_logprobs == entries
+
+
+def test_prompt_logprobs_are_bounded_on_the_wire() -> None:
+    delta = RequestDelta("r", [1], prompt_logprobs=[None] * (MAX_PROMPT_TOKENS + 1))
+    with pytest.raises(BadFrame):
+        WorkerMessageDecoder().decode(Encoder().encode(Deltas(deltas=[delta])))
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [100]}, "allowed_token_ids"),
+        ({"allowed_token_ids": [3], "bad_words_token_ids": [[3], [4]]}, "allowed_token_ids"),
+        ({"bad_words_token_ids": [[]]}, "bad_words"),
+        ({"bad_words_token_ids": [[1, 100]]}, "bad_words"),
+        ({"bad_words_token_ids": [[1] * (MAX_BAD_WORD_TOKENS + 1)]}, "bad_words"),
+        ({"bad_words_token_ids": [[1]] * (MAX_BAD_WORDS + 1)}, "bad_words"),
+    ],
+)
+def test_new_sampling_fields_are_validated_by_name(fields: dict, param: str) -> None:
+    with pytest.raises(SamplingParamsError) as info:
+        SamplingParams(**fields).validate(vocab_size=100)
+    assert info.value.param == param
+
+
+def test_a_multi_token_bad_word_may_share_tokens_with_allowed_ids() -> None:
+    SamplingParams(allowed_token_ids=[3], bad_words_token_ids=[[3, 3]]).validate(vocab_size=100)

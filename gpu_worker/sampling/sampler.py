@@ -1,8 +1,9 @@
 """Batched sampling over one engine step: logits [n, vocab] -> one token id per row.
 
 Order of operations (vLLM v1's): the structured-output mask of constrained rows
-(gpu_worker.sampling.structured), logit_bias, min_tokens masking, penalties (repetition,
-then frequency, then presence); greedy rows take the argmax here. Sampled rows then go
+(gpu_worker.sampling.structured), allowed_token_ids and bad_words
+(gpu_worker.sampling.token_filters), logit_bias, min_tokens masking, penalties
+(repetition, then frequency, then presence); greedy rows take the argmax here. Sampled rows then go
 through temperature, min-p, top-k, top-p and an exponential race: argmax(probs / q) with
 q ~ Exp(1), which draws from `probs` exactly. Seeded rows draw q from their own generator,
 so their tokens depend only on their own seed and logits, not on the batch around them.
@@ -20,6 +21,8 @@ import torch
 
 from gpu_worker.sampling.state import SamplerState
 from gpu_worker.sampling.structured import GrammarMasker, RequestMatcher
+from gpu_worker.sampling.token_filters import TokenFilters, new_token_filter
+from gpu_worker.sampling.upload import upload
 from shared.sampling import SamplingParams
 
 
@@ -48,7 +51,12 @@ def new_sampler_state(
     if params.seed is not None:
         generator = torch.Generator(device=device)
         generator.manual_seed(params.seed)
-    return SamplerState(generator=generator, matcher=matcher)
+    return SamplerState(
+        generator=generator,
+        matcher=matcher,
+        token_filter=new_token_filter(params),
+        prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+    )
 
 
 @dataclass
@@ -76,6 +84,7 @@ class Sampler:
         self.device = torch.device(device)
         self.eos_token_ids = list(eos_token_ids)
         self.grammar = GrammarMasker(vocab_size, self.device, self.eos_token_ids)
+        self.token_filters = TokenFilters(vocab_size, self.device)
 
     def sample(self, logits: torch.Tensor, states: list[SamplingRequest]) -> SamplerOutput:
         """Sample one token per row of `logits` ([n, >= vocab_size]) for `states[row]`."""
@@ -93,8 +102,10 @@ class Sampler:
             if (m := s.sampler_state.matcher) is not None and m.is_active
         ]
         constrained = [row for row, _ in active]
+        filters = [s.sampler_state.token_filter for s in states]
+        filtered = any(filters)
         if all(p.is_greedy for p in params) and not (
-            wants_logprobs or bans or uses_penalty or uses_bias or constrained
+            wants_logprobs or bans or uses_penalty or uses_bias or constrained or filtered
         ):
             return SamplerOutput(token_ids=_argmax_rows(logits).tolist(), num_top=num_top)
 
@@ -103,6 +114,8 @@ class Sampler:
         if constrained:
             # First, so every later step (bias, penalties, top-k/p) sees only allowed tokens.
             self.grammar.apply(x, constrained, [m for _, m in active])
+        if filtered:
+            self.token_filters.apply(x, filters, states)
         if uses_bias:
             self._apply_logit_bias(x, params)
         if bans:
@@ -128,11 +141,7 @@ class Sampler:
         return out
 
     def _upload(self, values: list | tuple, dtype: torch.dtype) -> torch.Tensor:
-        """Host list -> device tensor without a sync (pinned, non-blocking copy on CUDA)."""
-        host = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cuda":
-            return host.pin_memory().to(self.device, non_blocking=True)
-        return host.to(self.device)
+        return upload(values, dtype, self.device)
 
     def _min_tokens_bans(self, states: list[SamplingRequest]) -> list[tuple[int, int]]:
         """(row, token) pairs to mask: EOS and stop ids of rows still short of min_tokens."""

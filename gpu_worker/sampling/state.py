@@ -13,6 +13,8 @@ if TYPE_CHECKING:
     import torch
 
     from gpu_worker.sampling.structured import RequestMatcher
+    from gpu_worker.sampling.token_filters import TokenFilter
+    from shared.protocol import TokenLogprobs
 
 
 @dataclass(eq=False)
@@ -26,3 +28,8 @@ class SamplerState:
     """[vocab] bool of prompt tokens, built on first use by the repetition penalty."""
     matcher: RequestMatcher | None = field(default=None, repr=False)
     """The structured-output matcher of a constrained request; None for free ones."""
+    token_filter: TokenFilter | None = field(default=None, repr=False)
+    """Its allowed_token_ids and bad_words, prepared once; None when it has neither."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = field(default=None, repr=False)
+    """Prompt logprobs gathered chunk by chunk (index = prompt position), until the first
+    delta carries them away; None when none were asked for or once they are sent."""

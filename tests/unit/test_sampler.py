@@ -257,3 +257,93 @@ def test_mixed_batch_of_greedy_sampled_and_seeded_rows() -> None:
         solo = _request(states[row].sampling)
         solo_out = _sampler(200).sample(logits[row : row + 1], [solo])
         assert solo_out.token_ids[0] == out.token_ids[row]
+
+
+# ---- allowed_token_ids and bad_words ----------------------------------------------
+
+
+def test_allowed_token_ids_restrict_their_rows_only() -> None:
+    logits = _random_logits(4, 50, seed=21)
+    allowed = [3, 17, 41]
+    states = [
+        _state(temperature=0.0, allowed_token_ids=allowed),
+        _state(temperature=0.0),
+        _state(temperature=1.5, allowed_token_ids=allowed),
+        _state(temperature=1.5, top_k=2, allowed_token_ids=[8]),
+    ]
+    sampler = _sampler(50)
+    for _ in range(20):
+        out = sampler.sample(logits, states)
+        assert out.token_ids[0] == allowed[int(logits[0, allowed].argmax())]
+        assert out.token_ids[1] == int(logits[1].argmax())
+        assert out.token_ids[2] in allowed
+        assert out.token_ids[3] == 8
+    assert sampler.token_filters.num_builds == 1  # same requests in the same rows
+
+
+def test_allowed_token_ids_sample_the_renormalized_subset() -> None:
+    row = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, -1.0, 0.3, 1.5])
+    allowed = [0, 2, 4]
+    probs = torch.zeros(8)
+    probs[allowed] = torch.softmax(row[allowed], -1)
+    _assert_matches(_draw_counts(row, 3000, allowed_token_ids=allowed), probs)
+
+
+def test_one_token_bad_words_are_never_sampled() -> None:
+    logits = _random_logits(3, 40, seed=22)
+    top = logits.argmax(-1).tolist()
+    states = [
+        _state(temperature=0.0, bad_words_token_ids=[[top[0]]]),
+        _state(temperature=0.0),
+        _state(temperature=5.0, bad_words_token_ids=[[t] for t in range(20)]),
+    ]
+    sampler = _sampler(40)
+    for _ in range(20):
+        out = sampler.sample(logits, states)
+        assert out.token_ids[0] == int(logits[0].topk(2).indices[1])
+        assert out.token_ids[1] == top[1]
+        assert out.token_ids[2] >= 20
+
+
+def test_a_longer_bad_word_bans_its_last_token_only_after_its_prefix() -> None:
+    logits = torch.zeros(2, 10)
+    logits[:, 6] = 5.0  # the greedy pick, unless banned
+    words = [[1, 2, 6], [4, 6], [9, 9, 9, 9]]
+    after_prefix = _state(temperature=0.0, bad_words_token_ids=words)
+    after_prefix.output_token_ids.extend([7, 1, 2])
+    elsewhere = _state(temperature=0.0, bad_words_token_ids=words)
+    elsewhere.output_token_ids.extend([1, 3])  # ends with neither prefix
+    sampler = _sampler(10)
+    assert sampler.sample(logits, [after_prefix, elsewhere]).token_ids == [0, 6]
+    after_prefix.output_token_ids.append(4)  # [.., 4] is [4, 6]'s prefix
+    elsewhere.output_token_ids.append(4)
+    assert sampler.sample(logits, [after_prefix, elsewhere]).token_ids == [0, 0]
+    # The prompt does not count: a prefix must be in the output.
+    fresh = _state(prompt=[1, 2], temperature=0.0, bad_words_token_ids=words)
+    assert sampler.sample(logits[:1], [fresh]).token_ids == [6]
+
+
+def test_masks_are_rebuilt_when_the_rows_change_and_never_for_plain_batches() -> None:
+    logits = _random_logits(3, 30, seed=23)
+    plain = [_state(temperature=0.0) for _ in range(3)]
+    sampler = _sampler(30)
+    sampler.sample(logits, plain)
+    assert sampler.token_filters.num_builds == 0
+    restricted = _state(temperature=0.0, allowed_token_ids=[2])
+    sampler.sample(logits, [plain[0], restricted, plain[1]])
+    sampler.sample(logits, [plain[0], restricted, plain[1]])
+    assert sampler.token_filters.num_builds == 1
+    # The restricted request moves to another row: the masks must follow it.
+    out = sampler.sample(logits, [restricted, plain[0], plain[1]])
+    assert sampler.token_filters.num_builds == 2
+    assert out.token_ids == [2, int(logits[1].argmax()), int(logits[2].argmax())]
+
+
+def test_token_filters_keep_logprobs_raw() -> None:
+    logits = _random_logits(1, 20, seed=24)
+    state = _state(temperature=0.0, logprobs=2, allowed_token_ids=[5])
+    out = _sampler(20).sample(logits, [state])
+    assert out.token_ids == [5]
+    assert out.logprobs is not None
+    raw = torch.log_softmax(logits, -1)
+    assert out.logprobs[0].item() == pytest.approx(raw[0, 5].item())

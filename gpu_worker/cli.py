@@ -13,11 +13,16 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpu_worker.core.config import EngineConfig
 from shared.cli_fields import add_fields, given_fields
 from shared.model_source import ModelNotFoundError
 from shared.transport import is_local_bind
+
+if TYPE_CHECKING:
+    from gpu_worker.server.kv_events import KVEventPublisher
+    from gpu_worker.server.metrics_http import MetricsServer
 
 DEFAULT_BIND = "tcp://127.0.0.1:5555"
 
@@ -39,6 +44,16 @@ class ServerConfig:
     """Seconds between heartbeats to each render server."""
     client_timeout_s: float = 10.0
     """Free the requests of a render server silent this many seconds."""
+    metrics_port: int | None = None
+    """Serve this worker's Prometheus metrics (vLLM's `vllm:*` names) at
+    http://METRICS_HOST:PORT/metrics; off by default."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics server listens on (0.0.0.0 for a scraper on another machine)."""
+    kv_events_endpoint: str | None = None
+    """Publish KV cache events as vLLM does, on a ZMQ PUB socket: bound for tcp://*:PORT
+    or ipc://PATH, connected to for tcp://HOST:PORT (llm-d's indexer); off by default."""
+    kv_events_topic: str = ""
+    """Topic frame of every KV events message (vLLM's default: empty)."""
     log_level: str = "info"
     """debug, info, warning or error."""
 
@@ -76,6 +91,22 @@ def check_exposure(config: ServerConfig) -> None:
         )
 
 
+def open_side_ports(
+    config: ServerConfig,
+) -> tuple[MetricsServer | None, KVEventPublisher | None]:
+    """The metrics server and the KV events publisher that `config` asks for."""
+    from gpu_worker.server.kv_events import KVEventPublisher
+    from gpu_worker.server.metrics_http import MetricsServer
+
+    metrics_server = kv_events = None
+    if config.metrics_port is not None:
+        metrics_server = MetricsServer(config.metrics_host, config.metrics_port)
+        logger.info("metrics on http://%s:%d/metrics", config.metrics_host, metrics_server.port)
+    if config.kv_events_endpoint is not None:
+        kv_events = KVEventPublisher(config.kv_events_endpoint, topic=config.kv_events_topic)
+    return metrics_server, kv_events
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `gpu-worker`."""
     args = build_parser().parse_args(argv)
@@ -96,15 +127,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     config = config_from_args(args)
     # Heavy imports after argument parsing, so `--help` is instant.
+    import zmq
+
     from gpu_worker.engine.engine import Engine
     from gpu_worker.runner.device import Nvml
+    from gpu_worker.server.metrics_http import WorkerMetrics
     from gpu_worker.server.zmq_server import WorkerServer
 
+    # The side ports open before the model loads, so a taken one fails in a second.
+    try:
+        metrics_server, kv_events = open_side_ports(server_config)
+    except (OSError, zmq.ZMQError) as exc:
+        print(f"gpu-worker: error: {exc}", file=sys.stderr)
+        return 2
     try:
         engine = Engine(**vars(config))
     except (ModelNotFoundError, ValueError) as exc:
         print(f"gpu-worker: error: {exc}", file=sys.stderr)
         return 2
+    metrics = None
+    if metrics_server is not None:
+        metrics = WorkerMetrics(engine.model_card.model_id)
+        metrics_server.serve(metrics)
+    if kv_events is not None:
+        kv_events.follow(engine.kv)
     server = WorkerServer(
         engine,
         server_config.bind,
@@ -113,12 +159,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         heartbeat_interval_s=server_config.heartbeat_interval_s,
         client_timeout_s=server_config.client_timeout_s,
         gpu_reader=Nvml(engine.device),
+        metrics=metrics,
+        kv_events=kv_events,
     )
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: server.stop())
     # A line on stdout that supervisors (and the embedded launcher) can wait for.
     print(f"gpu-worker ready on {server.endpoint}", flush=True)
-    server.serve_forever()
+    try:
+        server.serve_forever()
+    finally:
+        if metrics_server is not None:
+            metrics_server.close()
     return 0
 
 

@@ -46,6 +46,8 @@ from shared.transport import bound_endpoint, make_router
 
 if TYPE_CHECKING:
     from gpu_worker.runner.device import GpuReading
+    from gpu_worker.server.kv_events import KVEventPublisher
+    from gpu_worker.server.metrics_http import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +94,8 @@ class WorkerServer:
         stall_limit_s: float = 60.0,
         client_timeout_s: float = 10.0,
         gpu_reader: GpuReader | None = None,
+        metrics: WorkerMetrics | None = None,
+        kv_events: KVEventPublisher | None = None,
     ) -> None:
         self.engine = engine
         self.worker_id = worker_id
@@ -117,6 +121,9 @@ class WorkerServer:
         self._heartbeat_interval_s = heartbeat_interval_s
         self._client_timeout_s = client_timeout_s
         self._gpu_reader = gpu_reader
+        self._metrics = metrics
+        self._kv_events = kv_events
+        """Optional, set up by the caller; this loop feeds them and closes the publisher."""
         self._clients: dict[bytes, _Client] = {}
         self._client_numbers = itertools.count()
         # engine key -> (client identity, request id as the client knows it)
@@ -139,7 +146,16 @@ class WorkerServer:
                 timeout = 0.0 if busy else max(0.0, next_stats - time.monotonic())
                 self._drain_inbound(block_for=timeout)
                 if self.engine.has_unfinished_requests():
-                    self._send_deltas(self.engine.step())
+                    deltas = self.engine.step()
+                    if self._kv_events is not None:
+                        # Before the replies: a router reading the events knows these
+                        # blocks before a client can send the follow-up that reuses them.
+                        self._kv_events.publish_pending()
+                    if self._metrics is not None:
+                        self._metrics.observe_deltas(deltas)
+                    self._send_deltas(deltas)
+                if self._metrics is not None:
+                    self._metrics.observe_stats(self.engine.stats())
                 now = time.monotonic()
                 self._io.loop_alive_at = now
                 if now >= next_stats:
@@ -149,6 +165,8 @@ class WorkerServer:
         finally:
             self._io.stop()
             self._io.join(timeout=5)
+            if self._kv_events is not None:
+                self._kv_events.close()
             self._router.close()
             if self._authenticator is not None:
                 self._authenticator.stop()
@@ -220,7 +238,7 @@ class WorkerServer:
             for key in keys:
                 client.request_ids.discard(self._owners.pop(key)[1])
             if keys:
-                self.engine.abort(keys)
+                self._abort(keys)
         elif isinstance(message, ClientHeartbeat):
             client.sends_heartbeats = True
 
@@ -244,6 +262,11 @@ class WorkerServer:
         ack = RequestDelta(request_id=request.request_id, new_token_ids=[])
         self._acks.setdefault(client.identity, []).append(ack)
 
+    def _abort(self, keys: list[str]) -> None:
+        self.engine.abort(keys)
+        if self._metrics is not None:
+            self._metrics.observe_aborts(len(keys))
+
     def _reject(self, identity: bytes, request_id: str, code: RejectCode, message: str) -> None:
         self._io.send(identity, Rejected(request_id=request_id, code=code, message=message))
 
@@ -259,7 +282,7 @@ class WorkerServer:
         for key in keys:
             self._owners.pop(key, None)
         if keys:
-            self.engine.abort(keys)
+            self._abort(keys)
         if notice is not None:
             for request_id in client.request_ids:
                 self._reject(identity, request_id, "protocol", notice)

@@ -60,7 +60,8 @@ ALLOWED: dict[str, set[str]] = {
         "gpu_worker.runner",
         "shared",
     },
-    "gpu_worker.server": {"gpu_worker.engine", "gpu_worker.runner", "shared"},
+    # core: the KV cache events it publishes (gpu_worker/server/kv_events.py).
+    "gpu_worker.server": {"gpu_worker.engine", "gpu_worker.core", "gpu_worker.runner", "shared"},
     "gpu_worker.engine": {
         "gpu_worker.core",
         "gpu_worker.runner",

@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 from typing import Annotated, Any
 
 from shared.cli_fields import Flag
+from shared.model_card import SchedulingPolicy
 from shared.model_source import DEFAULT_MODEL
 
 
@@ -51,6 +52,9 @@ class SchedulerConfig:
     long_prefill_token_threshold: int | None = None
     """Cap on one sequence's prefill chunk per step, so one long prompt cannot take the
     whole budget from other prefills; None means only the step budget caps it."""
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    """fcfs: arrival order. priority: lower `priority` first, then arrival order, for both
+    admission and the running order; preemption takes the last in that order."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -85,6 +89,9 @@ class EngineConfig:
     the whole step budget from other prefills (default: only the step budget caps it)."""
     max_model_len: int | None = None
     """Longest prompt plus output (default: the model's context length)."""
+    scheduling_policy: SchedulingPolicy = SchedulerConfig.scheduling_policy
+    """fcfs (arrival order; a request with a non-zero priority is refused) or priority
+    (lower values are scheduled first and preempted last; ties in arrival order)."""
     kv_cache_memory_gb: float | None = None
     """KV cache size in GiB (default: 1 on CPU; on CUDA sized from free memory)."""
     gpu_memory_utilization: float = 0.9

@@ -1,19 +1,23 @@
 """Continuous batching with chunked prefill, a token budget and preemption by recompute.
 
-One step: running sequences first (decodes and continuing prefill chunks), in arrival
-order, then waiting ones, until the token budget or `max_num_seqs` runs out. There is
-no prefill phase: each sequence gets `num_new_tokens` toward its known tokens, and only
-one whose scheduled tokens reach the end of them is sampled.
+One step: running sequences first (decodes and continuing prefill chunks), then waiting
+ones, until the token budget or `max_num_seqs` runs out. There is no prefill phase: each
+sequence gets `num_new_tokens` toward its known tokens, and only one whose scheduled
+tokens reach the end of them is sampled.
 
-Invariant: `running` is in arrival order, so `running[-1]` is the newest. It holds
-because admission is FCFS with head-of-line blocking and preempted sequences go back to
-the FRONT of `waiting`, so nothing newer is admitted before them.
+Order: every sequence has a key, `(priority, arrival_order)` under the "priority" policy
+and `(0, arrival_order)` under "fcfs". Invariant: `waiting` and `running` are both sorted
+by it, so `waiting[0]` is admitted first (head-of-line blocking: nobody overtakes it),
+running sequences get the budget in key order, and `running[-1]` is preempted first. A
+preempted sequence goes back into `waiting` at its key, under "fcfs" its front: nothing
+newer than it was admitted before it.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -33,6 +37,16 @@ class ScheduledSequence:
     will_sample: bool
     """The scheduled tokens reach the end of the known tokens, so the last one's logits
     give a new token; False for a prefill chunk that is not the last."""
+
+    @property
+    def prompt_logprob_positions(self) -> range:
+        """Positions of this chunk whose logits score the next prompt token: empty unless
+        the sequence needs prompt logprobs. Position p scores prompt token p + 1."""
+        if not self.seq.needs_prompt_logprobs:
+            return range(0)
+        start = self.num_computed_tokens
+        end = min(start + self.num_new_tokens, self.seq.num_prompt_tokens - 1)
+        return range(start, max(start, end))
 
 
 @dataclass
@@ -64,9 +78,11 @@ class Scheduler:
         # A sequence longer than the whole cache could never compute its next token, so
         # it stops with "length" there (else it would preempt itself forever).
         self.max_seq_len = min(scheduler_config.max_model_len, self.num_cache_tokens + 1)
-        self.waiting: deque[Sequence] = deque()
+        self.by_priority = scheduler_config.scheduling_policy == "priority"
+        self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
 
     @property
     def num_running(self) -> int:
@@ -100,8 +116,9 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence. The engine validated it (`check_admissible`, unique id)."""
         seq.status = SequenceStatus.WAITING
+        seq.arrival_order = next(self._arrivals)
         self.requests[seq.request_id] = seq
-        self.waiting.append(seq)
+        bisect.insort(self.waiting, seq, key=self._key)
 
     def finish_requests(self, request_ids: Iterable[str], reason: FinishReason) -> list[Sequence]:
         """End these with `reason` and free their blocks now (an abort, or a grammar that
@@ -131,7 +148,7 @@ class Scheduler:
             seq = self.running[i]
             num_new = self._num_new_tokens(seq, seq.num_computed_tokens, budget)
             while not self.kv.allocate_slots(seq, num_new):
-                victim = self.running.pop()  # the newest; never one already scheduled
+                victim = self.running.pop()  # the last in order; never one already scheduled
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -149,17 +166,20 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             seq = self.waiting[0]
-            cached_blocks, num_cached = self.kv.get_computed_blocks(seq)
+            cached_blocks: list[int] = []
+            num_cached = 0
+            if not seq.needs_prompt_logprobs:  # else every prompt position must be computed
+                cached_blocks, num_cached = self.kv.get_computed_blocks(seq)
             num_new = self._num_new_tokens(seq, num_cached, budget)
             if not self.kv.allocate_slots(seq, num_new, cached_blocks):
-                break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.popleft()
+                break  # nobody overtakes the head of the queue
+            self.waiting.pop(0)
             if seq.status == SequenceStatus.WAITING:  # its first step, not a recompute
                 seq.num_cached_tokens = num_cached
                 seq.first_scheduled_time = time.monotonic()
             seq.num_computed_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            bisect.insort(self.running, seq, key=self._key)
             self._emit(out, seq, num_cached, num_new)
             budget -= num_new
         return out
@@ -188,6 +208,9 @@ class Scheduler:
             changed.append(seq)
         return changed
 
+    def _key(self, seq: Sequence) -> tuple[int, int]:
+        return (seq.priority if self.by_priority else 0, seq.arrival_order)
+
     def _num_new_tokens(self, seq: Sequence, num_computed: int, budget: int) -> int:
         num_new = min(seq.num_tokens - num_computed, budget)
         threshold = self.config.long_prefill_token_threshold
@@ -204,7 +227,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.PREEMPTED
-        self.waiting.appendleft(seq)
+        bisect.insort(self.waiting, seq, key=self._key)
 
     def _check_stop(self, seq: Sequence, token_id: int) -> None:
         sampling = seq.sampling

@@ -53,7 +53,9 @@ class Sequence:
     cache_salt: str | None = None
     """Per-tenant salt mixed into the block hashes, so tenants never share cached blocks."""
     priority: int = 0
-    """Carried from the request; the FCFS scheduler does not reorder by it yet."""
+    """Lower runs first under the scheduler's "priority" policy; 0 under "fcfs"."""
+    arrival_order: int = 0
+    """Set by the scheduler when it takes the sequence: equal priorities run in this order."""
     arrival_time: float = field(default_factory=time.monotonic)
     """When the worker took the request (`time.monotonic`, the worker's own clock)."""
     block_size: int = 16
@@ -107,6 +109,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and has no output yet (they come with the first
+        token), so every prompt position must be computed: none read from the cache."""
+        return self.sampling.prompt_logprobs is not None and not self.output_token_ids
 
     @property
     def queue_time(self) -> float | None:

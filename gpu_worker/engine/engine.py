@@ -30,6 +30,7 @@ from gpu_worker.ops.layer_ops import get_layer_ops
 from gpu_worker.runner.device import resolve_device, resolve_dtype
 from gpu_worker.runner.kv_caches import create_kv_caches
 from gpu_worker.runner.model_runner import ModelRunner
+from gpu_worker.sampling.prompt_logprobs import record_prompt_logprobs, score_prompt_rows
 from gpu_worker.sampling.sampler import Sampler, SamplerOutput, new_sampler_state
 from gpu_worker.sampling.structured import RequestMatcher, StructuredOutputs
 from shared.constraints import ConstraintError
@@ -58,6 +59,7 @@ class Completion:
     logprobs: list[TokenLogprobs] | None
     num_cached_tokens: int
     stop_token_id: int | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class Engine:
@@ -107,6 +109,7 @@ class Engine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
+                scheduling_policy=config.scheduling_policy,
             ),
             self.kv,
             self.eos_token_ids,
@@ -136,6 +139,7 @@ class Engine:
             block_size=self.config.block_size,
             architecture=mc.architecture,
             dtype=str(self.dtype).removeprefix("torch."),
+            scheduling_policy=self.config.scheduling_policy,
         )
 
     # ---- the core the server drives ------------------------------------------------
@@ -173,6 +177,11 @@ class Engine:
             request.sampling.validate(self.vocab_size)
         except SamplingParamsError as exc:
             raise RequestRejected("invalid_request", exc.message) from exc
+        if request.priority != 0 and self.config.scheduling_policy == "fcfs":
+            raise RequestRejected(
+                "invalid_request",
+                "priority is not honoured by this worker (--scheduling-policy fcfs): send 0",
+            )
         reason = self.scheduler.check_admissible(len(prompt), request.sampling.max_tokens)
         if reason is not None:
             # An empty prompt is malformed rather than too long; the wire forbids it too.
@@ -198,7 +207,10 @@ class Engine:
         output = self.scheduler.schedule()
         if output.is_empty:
             return []
-        logits = self.runner.execute(output.scheduled)
+        run = self.runner.execute(output.scheduled)
+        logits = run.logits
+        if run.prompt_hidden is not None:
+            self._score_prompts(output.scheduled, run.prompt_hidden)
         sampling_items = [item for item in output.scheduled if item.will_sample]
         sampled: dict[str, int] = {}
         result: SamplerOutput | None = None
@@ -221,6 +233,9 @@ class Engine:
         """The wire delta of a sequence that got one token this step."""
         error = errors.get(seq.request_id)
         finish = _WIRE_FINISH[seq.finish_reason] if seq.finish_reason is not None else None
+        # Gathered while the prompt ran; the first delta (this one, when set) takes them.
+        state = seq.sampler_state
+        prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, None
         return RequestDelta(
             request_id=seq.request_id,
             new_token_ids=[seq.output_token_ids[-1]],
@@ -232,7 +247,30 @@ class Engine:
             error=error,
             # Only the first delta carries it: the render tier records it once per request.
             queue_time=seq.queue_time if seq.num_output_tokens == 1 else None,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _score_prompts(self, scheduled: list[ScheduledSequence], hidden: torch.Tensor) -> None:
+        """Score this step's prompt-logprob rows (the runner's `prompt_hidden`, in batch
+        order) and keep each sequence's until its first delta."""
+        items = [(item, item.prompt_logprob_positions) for item in scheduled]
+        items = [(item, positions) for item, positions in items if positions]
+        targets: list[int] = []
+        num_top: list[int] = []
+        for item, positions in items:
+            targets.extend(item.seq.all_token_ids[positions.start + 1 : positions.stop + 1])
+            num_top.extend([item.seq.sampling.prompt_logprobs or 0] * len(positions))
+        entries = score_prompt_rows(
+            hidden, targets, num_top, self.runner.compute_logits, self.vocab_size
+        )
+        start = 0
+        for item, positions in items:
+            gathered = item.seq.sampler_state.prompt_logprobs
+            assert gathered is not None, "new_sampler_state starts it for such requests"
+            record_prompt_logprobs(
+                gathered, positions.start, entries[start : start + len(positions)]
+            )
+            start += len(positions)
 
     def _advance_matchers(self, changed: list[Sequence]) -> dict[str, str]:
         """Feed each constrained sequence's new token to its matcher; end the ones whose
@@ -320,6 +358,8 @@ class Engine:
                 if delta.logprobs is not None and completion.logprobs is not None:
                     completion.logprobs.extend(delta.logprobs)
                 completion.num_cached_tokens = delta.num_cached_tokens
+                if delta.prompt_logprobs is not None:
+                    completion.prompt_logprobs = delta.prompt_logprobs
                 if delta.finish_reason is not None:
                     completion.finish_reason = delta.finish_reason
                     completion.stop_token_id = delta.stop_token_id

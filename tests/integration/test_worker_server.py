@@ -25,6 +25,7 @@ from shared.protocol import (
 from shared.sampling import SamplingParams
 from shared.transport import make_dealer
 from tests.helpers.processes import SMALL_WORKER, start_worker, stop_worker
+from tests.helpers.tiny_models import save_tiny_model, save_tiny_tokenizer
 from tests.helpers.waiting import wait_until
 
 PROMPT = [1, 4093, 198, 2683, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
@@ -173,6 +174,87 @@ def test_generate_before_hello_is_rejected(worker: str) -> None:
         assert rejected.code == "protocol"
     finally:
         stranger.close()
+
+
+def test_fcfs_worker_refuses_a_priority_and_says_so_in_its_card(worker: str) -> None:
+    c = Client(worker)
+    try:
+        c.send(Hello(client_id="test"))
+        assert c.recv_until(Welcome).model_card.scheduling_policy == "fcfs"
+        c.send(
+            Generate(
+                request_id="urgent", prompt_token_ids=PROMPT, sampling=SamplingParams(), priority=-1
+            )
+        )
+        rejected = c.recv_until(Rejected)
+        assert (rejected.request_id, rejected.code) == ("urgent", "invalid_request")
+        assert "priority" in rejected.message
+    finally:
+        c.close()
+
+
+def test_prompt_logprobs_arrive_on_the_first_delta(client: Client) -> None:
+    client.send(_generate("prompt-lp", max_tokens=3, prompt_logprobs=2))
+    deltas = client.collect("prompt-lp")
+    # The worker acknowledges a request with an empty delta; the first token brings them.
+    first_token = next(i for i, d in enumerate(deltas) if d.new_token_ids)
+    first, rest = deltas[first_token], deltas[:first_token] + deltas[first_token + 1 :]
+    entries = first.prompt_logprobs
+    assert entries is not None
+    assert len(entries) == len(PROMPT)
+    assert entries[0] is None
+    assert all(e is not None and e.logprob <= 0 and len(e.top_token_ids) == 2 for e in entries[1:])
+    assert all(d.prompt_logprobs is None for d in rest)
+
+
+@pytest.fixture(scope="module")
+def priority_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A tiny random model (fast steps) that runs one sequence at a time, by priority."""
+    model_dir, hf = save_tiny_model(
+        tmp_path_factory.mktemp("tiny-llama"), "llama", tie_word_embeddings=False
+    )
+    save_tiny_tokenizer(model_dir, hf.config.vocab_size)
+    args = ["--model", str(model_dir), "--scheduling-policy", "priority"]
+    worker = start_worker(None, args, kv_cache_gb=0.01, max_num_seqs=1, heartbeat_interval_s=None)
+    yield worker.address
+    assert stop_worker(worker, timeout_s=30) == 0
+
+
+def test_priority_decides_the_order_of_a_full_batch(priority_worker: str) -> None:
+    c = Client(priority_worker)
+    try:
+        c.send(Hello(client_id="test"))
+        assert c.recv_until(Welcome).model_card.scheduling_policy == "priority"
+
+        def generate(request_id: str, priority: int, max_tokens: int) -> Generate:
+            sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            return Generate(
+                request_id=request_id,
+                prompt_token_ids=[5] * 8,
+                sampling=sampling,
+                priority=priority,
+            )
+
+        # It holds the only slot for its 240 steps while the others queue behind it.
+        c.send(generate("running", 10, max_tokens=240))
+        c.recv_until(Deltas)
+        queued = [("p5", 5), ("p1", 1), ("p3", 3), ("p-2", -2), ("p1-later", 1)]
+        for request_id, priority in queued:
+            c.send(generate(request_id, priority, max_tokens=4))
+        finished: list[str] = []
+
+        def all_finished() -> bool:
+            message = c.poll(0.1)
+            if isinstance(message, Rejected):
+                raise AssertionError(f"rejected: {message}")
+            if isinstance(message, Deltas):
+                finished.extend(d.request_id for d in message.deltas if d.finish_reason)
+            return len(finished) == 6
+
+        wait_until(all_finished, 60, "every request to finish", interval_s=0)
+        assert finished == ["running", "p-2", "p1", "p1-later", "p3", "p5"]
+    finally:
+        c.close()
 
 
 def test_duplicate_generate_runs_once(client: Client) -> None:

@@ -14,6 +14,7 @@ from gpu_worker.core.config import CacheConfig, SchedulerConfig
 from gpu_worker.core.kv_cache import KVCacheManager
 from gpu_worker.core.scheduler import Scheduler, SchedulerOutput
 from gpu_worker.core.sequence import FinishReason, Sequence, SequenceStatus
+from shared.model_card import SchedulingPolicy
 from shared.sampling import SamplingParams
 
 BS = 16
@@ -32,6 +33,7 @@ def make_scheduler(
     max_num_batched_tokens: int = 2048,
     max_model_len: int = 4096,
     long_prefill_token_threshold: int | None = None,
+    scheduling_policy: SchedulingPolicy = "fcfs",
 ) -> Scheduler:
     kv = KVCacheManager(CacheConfig(block_size=BS, num_blocks=num_blocks))
     config = SchedulerConfig(
@@ -39,14 +41,17 @@ def make_scheduler(
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         long_prefill_token_threshold=long_prefill_token_threshold,
+        scheduling_policy=scheduling_policy,
     )
     return Scheduler(config, kv, eos_token_ids=[EOS])
 
 
-def make_seq(request_id: str, prompt_len: int, max_tokens: int = 4, **sampling: object) -> Sequence:
+def make_seq(
+    request_id: str, prompt_len: int, max_tokens: int = 4, priority: int = 0, **sampling: object
+) -> Sequence:
     prompt = [10 + (i % 50) for i in range(prompt_len)]
     params = SamplingParams(max_tokens=max_tokens, **sampling)  # type: ignore[arg-type]
-    return Sequence(request_id, prompt, params, block_size=BS)
+    return Sequence(request_id, prompt, params, priority=priority, block_size=BS)
 
 
 def step(
@@ -238,6 +243,80 @@ def test_abort_between_schedule_and_update() -> None:
     assert sched.update(out, {"a": 5}) == []
     assert seq.output_token_ids == []
     assert sched.kv.num_free_blocks == 64
+
+
+def test_priority_policy_admits_lower_values_first_ties_in_arrival_order() -> None:
+    sched = make_scheduler(max_num_seqs=1, scheduling_policy="priority")
+    sched.add(make_seq("running", 5, max_tokens=2, priority=9))
+    step(sched)
+    for request_id, priority in [("p5", 5), ("p1", 1), ("p-2", -2), ("p1-later", 1)]:
+        sched.add(make_seq(request_id, 5, max_tokens=2, priority=priority))
+    assert [s.request_id for s in sched.waiting] == ["p-2", "p1", "p1-later", "p5"]
+    order: list[str] = []
+    while sched.has_unfinished():
+        _, changed = step(sched)
+        order.extend(s.request_id for s in changed if s.is_finished)
+    assert order == ["running", "p-2", "p1", "p1-later", "p5"]
+
+
+def test_fcfs_policy_ignores_priority() -> None:
+    sched = make_scheduler(max_num_seqs=1)
+    for request_id, priority in [("a", 5), ("b", -5), ("c", 0)]:
+        sched.add(make_seq(request_id, 5, max_tokens=1, priority=priority))
+    order: list[str] = []
+    while sched.has_unfinished():
+        _, changed = step(sched)
+        order.extend(s.request_id for s in changed)
+    assert order == ["a", "b", "c"]
+
+
+def test_priority_policy_runs_in_priority_order_and_preempts_the_last() -> None:
+    # 6 blocks; three sequences of 30 prompt tokens take two blocks each.
+    sched = make_scheduler(num_blocks=6, scheduling_policy="priority")
+    low, mid, high = (
+        make_seq(r, 30, max_tokens=6, priority=p) for r, p in [("low", 3), ("mid", 2), ("high", 1)]
+    )
+    for seq in (low, mid, high):  # the least urgent arrives first
+        sched.add(seq)
+    out, _ = step(sched)
+    assert [s.seq.request_id for s in out.scheduled] == ["high", "mid", "low"]
+    for _ in range(2):
+        step(sched)
+    out, _ = step(sched)  # high needs a third block: low goes although it is the oldest
+    assert out.preempted == [low]
+    assert [s.seq.request_id for s in out.scheduled] == ["high", "mid"]
+    assert list(sched.waiting) == [low]
+    run_all(sched)
+    assert all(seq.finish_reason == FinishReason.LENGTH for seq in (low, mid, high))
+    assert sched.kv.num_free_blocks == 6
+
+
+def test_a_more_urgent_arrival_runs_before_earlier_ones_but_preempts_nobody() -> None:
+    sched = make_scheduler(max_num_batched_tokens=32, scheduling_policy="priority")
+    sched.add(make_seq("early", 8, max_tokens=10, priority=5))
+    step(sched)
+    sched.add(make_seq("urgent", 8, max_tokens=10, priority=0))
+    step(sched)
+    assert [s.request_id for s in sched.running] == ["urgent", "early"]
+    out, _ = step(sched)
+    assert [s.seq.request_id for s in out.scheduled] == ["urgent", "early"]
+
+
+def test_prompt_logprobs_skip_cached_blocks_and_cover_every_prompt_position() -> None:
+    sched = make_scheduler(max_num_batched_tokens=20)
+    sched.add(make_seq("warm", 40, max_tokens=1))
+    run_all(sched)
+    seq = make_seq("pl", 40, max_tokens=2, prompt_logprobs=1)
+    sched.add(seq)
+    positions: list[int] = []
+    while not seq.output_token_ids:
+        out = sched.schedule()
+        [item] = out.scheduled
+        positions.extend(item.prompt_logprob_positions)  # read before update(), as the engine
+        sched.update(out, {"pl": next_token(seq)} if item.will_sample else {})
+    assert seq.num_cached_tokens == 0
+    assert positions == list(range(39))  # position p scores prompt token p + 1
+    assert list(sched.schedule().scheduled[0].prompt_logprob_positions) == []
 
 
 def finish_with(tokens: list[int], max_model_len: int = 4096, **sampling: object) -> Sequence:

@@ -25,7 +25,6 @@ from shared.protocol import (
 from shared.sampling import SamplingParams
 from shared.transport import make_dealer
 from tests.helpers.processes import SMALL_WORKER, start_worker, stop_worker
-from tests.helpers.tiny_models import save_tiny_model, save_tiny_tokenizer
 from tests.helpers.waiting import wait_until
 
 PROMPT = [1, 4093, 198, 2683, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
@@ -210,12 +209,17 @@ def test_prompt_logprobs_arrive_on_the_first_delta(client: Client) -> None:
 @pytest.fixture(scope="module")
 def priority_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A tiny random model (fast steps) that runs one sequence at a time, by priority."""
+    from tests.helpers.tiny_models import save_tiny_model, save_tiny_tokenizer  # transformers
+
     model_dir, hf = save_tiny_model(
         tmp_path_factory.mktemp("tiny-llama"), "llama", tie_word_embeddings=False
     )
     save_tiny_tokenizer(model_dir, hf.config.vocab_size)
     args = ["--model", str(model_dir), "--scheduling-policy", "priority"]
-    worker = start_worker(None, args, kv_cache_gb=0.01, max_num_seqs=1, heartbeat_interval_s=None)
+    # Its log goes to a file: its word-level vocabulary has no structured outputs, which
+    # the worker reports at startup with a traceback.
+    log = model_dir / "gpu-worker.log"
+    worker = start_worker(log, args, kv_cache_gb=0.01, max_num_seqs=1, heartbeat_interval_s=None)
     yield worker.address
     assert stop_worker(worker, timeout_s=30) == 0
 

@@ -7,9 +7,11 @@ list of long strings), so it outlives the deadline and stalls the event loop mea
 child process has its own GIL and is killed at the deadline. The server's own template is
 code the operator chose and keeps rendering in threads.
 
-A child renders one template at a time: it reads a request (source and context) from stdin
-and writes one reply (the text, or the error) to stdout, each frame an 8-byte length and
-JSON. Run as `python -m render_server.templating.isolation MAX_OUTPUT_CHARS MEMORY_BYTES`.
+A child renders one template at a time: it reads a request (source, context and a time
+limit) from stdin and writes one reply (the text, or the error) to stdout, each frame an
+8-byte length and JSON. Its address space is capped, and an alarm ends it a little past the
+deadline should the server be gone and unable to kill it. Run as
+`python -m render_server.templating.isolation MAX_OUTPUT_CHARS MEMORY_BYTES`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import os
 import resource
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -38,6 +41,7 @@ from render_server.templating.sandbox import SandboxEnvironment
 # built past it fails in the child (MemoryError) instead of swapping the host.
 MEMORY_LIMIT_BYTES = 1 << 30
 _HEADER = struct.Struct("<Q")
+_ORPHAN_GRACE_S = 1.0
 _ERRORS: dict[str, type[ChatTemplateError]] = {
     "ChatTemplateError": ChatTemplateError,
     "ChatTemplateTooLarge": ChatTemplateTooLarge,
@@ -64,7 +68,11 @@ class TemplateProcesses:
         child = self._take()
         self._start_spare()
         try:
-            reply = child.ask({"source": source, "context": context}, deadline)
+            # The child stops itself a little past the deadline too, in case this process
+            # is gone by then (killed) and nobody else will.
+            limit_s = deadline - time.monotonic() + _ORPHAN_GRACE_S
+            request = {"source": source, "context": context, "limit_s": limit_s}
+            reply = child.ask(request, deadline)
         except BaseException:  # the deadline, a dead child, or the caller's interrupt
             child.kill()
             raise
@@ -181,11 +189,14 @@ def main() -> None:
     requests, replies = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but replies may reach the pipe
     while (request := _read_frame(requests)) is not None:
+        # SIGALRM's default action ends the process: nothing in a render can outlive it.
+        signal.setitimer(signal.ITIMER_REAL, max(request["limit_s"], 0.001))
         try:
             template = compile_template(request["source"])
             reply = {"text": env.generate_text(template, request["context"])}
         except ChatTemplateError as exc:
             reply = {"error": type(exc).__name__, "message": exc.message}
+        signal.setitimer(signal.ITIMER_REAL, 0)
         _write_frame(replies, reply)
 
 

@@ -5,6 +5,7 @@ process of `render-serve --processes N` (render_server.processes)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import socket
@@ -100,6 +101,11 @@ def serve_app(
         settings.drain_timeout_s,
         stop_remaining=lambda: stop_generations(state.live_generations),
     )
+    # Everything built so far (the app, the tokenizer, imported modules) lives for the
+    # whole process: out of the collector's sight, a full collection under load costs
+    # ~0 ms instead of ~80 ms of stalled event loop.
+    gc.collect()
+    gc.freeze()
     server.run(sockets=sockets)
     return server.started
 

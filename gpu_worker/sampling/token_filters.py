@@ -6,8 +6,9 @@ one-token bad words, and its longer words indexed by their prefix. The batch's t
 (`BatchMasks`: each restricted row's disallowed tokens, the (row, token) pairs banned
 whatever the output) are built when the batch's composition changes and reused while the
 same requests sit in the same rows, as through a run of decode steps. A step then costs:
-- allowed_token_ids: one `index_add_` of a 0 / -inf row per restricted row (a masked
-  fill with a bool mask costs ~10x more on CPU: bench/RESULTS.md, sampler);
+- allowed_token_ids: one `index_add_` of a 0 / -inf row per restricted row (selecting
+  the rows, a bool `masked_fill_` and copying them back costs ~4x that on CPU:
+  bench/RESULTS.md, sampler);
 - one-token bad words: one scatter of -inf;
 - longer bad words: one dictionary lookup per distinct prefix length, on the rows that
   have such words only (the output tail is host data), then one scatter of the matches.

@@ -59,7 +59,9 @@ class RenderSettings(BaseSettings):
     """The id clients pass as `model` and /v1/models reports (default: the model's name)."""
     chat_template: Annotated[Path | None, Flag(metavar="FILE")] = None
     """A jinja file replacing the model's chat template, or the name of a built-in one:
-    chatml_tools (hermes-style tool calling)."""
+    chatml_tools (hermes-style tool calling). Without it, tool requests to a ChatML model
+    whose own template shows no tools (the built-in model's) render with chatml_tools, and
+    every other request with the model's template."""
     trust_request_chat_template: bool = False
     """Honour a `chat_template` sent in a request (still sandboxed and time-limited)."""
     tokenize_special_text_in_content: bool = False
@@ -132,10 +134,13 @@ class RenderSettings(BaseSettings):
     of prefix hits across keys; none: any request may reuse any cached prefix."""
 
     enable_auto_tool_choice: Annotated[bool, Flag(section="tool calling and reasoning")] = False
-    """Let the model decide when to call tools (tool_choice "auto"); needs a tool call
-    parser."""
+    """Let the model decide when to call tools (tool_choice "auto") with the tool call
+    parser given. Without a parser flag, "auto" is on whenever the chat template's call
+    format names a parser."""
     tool_call_parser: Annotated[str | None, Flag(metavar="NAME")] = None
-    """How to read tool calls in the model's text: hermes, llama3_json, mistral, pythonic."""
+    """How to read tool calls in the model's text: hermes, llama3_json, mistral, pythonic
+    (default: the one whose format the chat template asks for, e.g. hermes for
+    chatml_tools and Qwen2.5)."""
     reasoning_parser: Annotated[str | None, Flag(metavar="NAME")] = None
     """Split the model's reasoning from its answer: deepseek_r1 or qwen3."""
     structured_outputs_in_reasoning: bool = False

@@ -2,19 +2,20 @@
 
 Per choice: the `--reasoning-parser` (if any) splits reasoning from the answer first;
 tool handling applies only to the answer, after reasoning ended. In `auto` mode the
-`--tool-call-parser` reads the answer; with a named tool choice the (constrained) answer
-is the function's arguments, streamed as they come; with `required` the (constrained)
-answer is a JSON array of calls, parsed when the choice ends. The non-streamed result is
-the streamed one accumulated, so both always agree.
+tool-call parser reads the answer; with a named tool choice or `required` the
+(constrained) answer is JSON read by `constrained_calls`. Either way a call is sent whole
+once it is well formed. The non-streamed result is the streamed one accumulated, so both
+always agree.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from render_server.parsing.constrained_calls import ConstrainedCallReader
 from render_server.parsing.reasoning import get_reasoning_parser
-from render_server.parsing.tool_choice import ToolPlan, calls_from_constrained_text, new_call_id
-from render_server.parsing.tool_parsers import DeltaMessage, get_tool_parser
+from render_server.parsing.tool_choice import ToolPlan, new_call_id
+from render_server.parsing.tool_parsers import ToolCall, get_tool_parser
 from render_server.schemas.responses import (
     FunctionDeltaOut,
     FunctionOut,
@@ -80,9 +81,10 @@ class ChoiceProcessor:
             if plan.mode == "auto" and plan.parser_name is not None
             else None
         )
-        self._buffer: list[str] = []
-        self._named_id: str | None = None
-        self._num_calls = 0  # calls the tool parser sent
+        self._constrained = (
+            ConstrainedCallReader(plan) if plan.mode in ("named", "required") else None
+        )
+        self._num_calls = 0  # calls sent so far
         self.called_tools = False
         """Some tool call was emitted: the choice's finish_reason becomes "tool_calls"."""
 
@@ -112,49 +114,24 @@ class ChoiceProcessor:
         return piece.then(self._finish_answer())
 
     def _answer(self, text: str) -> ChoicePiece:
-        mode = self.plan.mode
         if self._tools is not None:
             message = self._tools.feed(text)
-            return ChoicePiece(content=message.content, tool_calls=self._deltas(message))
-        if mode == "named":
-            return ChoicePiece(tool_calls=[self._named_delta(text)])
-        if mode == "required":
-            self._buffer.append(text)
-            return ChoicePiece()
+            return ChoicePiece(content=message.content, tool_calls=self._deltas(message.tool_calls))
+        if self._constrained is not None:
+            return ChoicePiece(tool_calls=self._deltas(self._constrained.feed(text)))
         return ChoicePiece(content=text)
 
     def _finish_answer(self) -> ChoicePiece:
-        if self._tools is not None:
-            message = self._tools.finish()
-            return ChoicePiece(content=message.content, tool_calls=self._deltas(message))
-        if self.plan.mode != "required":
+        # A constrained answer cut short holds only an unfinished call: nothing to release.
+        if self._tools is None:
             return ChoicePiece()
-        text = "".join(self._buffer)
-        calls = calls_from_constrained_text(self.plan, text)
-        if not calls:
-            return ChoicePiece(content=text or None)  # cut short: not valid JSON yet
-        self.called_tools = True
-        return ChoicePiece(
-            tool_calls=[
-                ToolCallDeltaOut(
-                    index, call.id, "function", FunctionDeltaOut(call.name, call.arguments)
-                )
-                for index, call in enumerate(calls)
-            ]
-        )
+        message = self._tools.finish()
+        return ChoicePiece(content=message.content, tool_calls=self._deltas(message.tool_calls))
 
-    def _named_delta(self, text: str) -> ToolCallDeltaOut:
-        if self._named_id is None:
-            self._named_id = new_call_id()
-            self.called_tools = True
-            function = FunctionDeltaOut(self.plan.function_name, text)
-            return ToolCallDeltaOut(0, self._named_id, "function", function)
-        return ToolCallDeltaOut(0, function=FunctionDeltaOut(arguments=text))
-
-    def _deltas(self, message: DeltaMessage) -> list[ToolCallDeltaOut]:
-        """The parser's calls, each whole in one delta, numbered across the choice."""
+    def _deltas(self, calls: list[ToolCall]) -> list[ToolCallDeltaOut]:
+        """Whole calls, each in one delta, numbered across the choice."""
         out = []
-        for call in message.tool_calls:
+        for call in calls:
             function = FunctionDeltaOut(call.name, call.arguments)
             out.append(ToolCallDeltaOut(self._num_calls, call.id, "function", function))
             self._num_calls += 1

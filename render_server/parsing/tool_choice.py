@@ -1,25 +1,27 @@
 """Tool choice: what a chat request's `tools` / `tool_choice` mean for generation.
 
 - `none`: tools may still be shown to the template, but the output is plain content.
-- `auto`: the model decides; its text goes through the `--tool-call-parser` (needs
-  `--enable-auto-tool-choice`, as in vLLM).
+- `auto`: the model decides; its text goes through the tool-call parser. With
+  `--tool-call-parser` this needs `--enable-auto-tool-choice`, as in vLLM; without it the
+  template decides (`tool_setup`), so a server started with no flags serves tools.
 - `required` and a named function are enforced with a structured-output constraint, so
   they work even with a small model: a named function constrains the output to that
   function's arguments (a JSON object per its schema); `required` constrains it to a JSON
   array of `{"name", "parameters"}` calls of the offered tools (one call when
   `parallel_tool_calls` is false). The server turns that JSON into `tool_calls`, whatever
-  the model's native format.
+  the model's native format (`constrained_calls` reads it).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import secrets
 import string
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from render_server.parsing.tool_parsers import ToolCall, get_tool_parser
+from render_server.parsing.tool_parsers import TOOL_PARSERS, get_tool_parser
 from render_server.schemas.errors import ApiError
 from shared.protocol import Constraint
 
@@ -29,6 +31,51 @@ _ID_ALPHABET = string.ascii_letters + string.digits
 
 def new_call_id() -> str:
     return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
+
+
+@dataclass(frozen=True)
+class ToolSetup:
+    """How this server serves tools: which parser reads a model's own calls, whether the
+    model may choose to call (tool_choice "auto"), and whether tool requests render with
+    duet's built-in tools template instead of the chat template."""
+
+    parser_name: str | None
+    allows_auto: bool
+    uses_builtin_template: bool
+
+
+def template_tool_parser(template: str | None) -> str | None:
+    """The parser for the call format a chat template asks the model for, if it is one a
+    parser knows (by the parser's `template_marker`)."""
+    for name, parser in TOOL_PARSERS.items():
+        if template and parser.template_marker and parser.template_marker in template:
+            return name
+    return None
+
+
+@functools.lru_cache(maxsize=8)  # called per request, with the same arguments every time
+def tool_setup(
+    *,
+    tool_call_parser: str | None,
+    enable_auto_tool_choice: bool,
+    chat_template: str | None,
+    builtin_template: str | None,
+) -> ToolSetup:
+    """What the operator's flags and the templates mean for tools.
+
+    `chat_template` is the template chats render with (`--chat-template` or the model's);
+    `builtin_template` is duet's tools template when the model's own shows no tools (and
+    no `--chat-template` replaced it), else None. A `--tool-call-parser` keeps vLLM's
+    meaning: that parser, and "auto" only with `--enable-auto-tool-choice`; the built-in
+    template is then used only when it writes that parser's format. Without one, the
+    template tool requests render with decides the parser, and "auto" is allowed when it
+    names one.
+    """
+    if tool_call_parser is not None:
+        agrees = template_tool_parser(builtin_template) == tool_call_parser
+        return ToolSetup(tool_call_parser, enable_auto_tool_choice, agrees)
+    parser = template_tool_parser(builtin_template or chat_template)
+    return ToolSetup(parser, parser is not None, builtin_template is not None)
 
 
 @dataclass(frozen=True)
@@ -119,28 +166,6 @@ def plan_tools(
 
 def _schema_constraint(schema: dict[str, Any]) -> Constraint:
     return Constraint(kind="json_schema", spec=json.dumps(schema))
-
-
-def calls_from_constrained_text(plan: ToolPlan, text: str) -> list[ToolCall]:
-    """The tool calls in the text of a `required` / named generation.
-
-    The constraint makes the text valid JSON of the right shape unless generation was cut
-    short (max_tokens); then no call is reported and the text stays content."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return []
-    if plan.mode == "named":
-        if not isinstance(value, dict):
-            return []
-        return [ToolCall(new_call_id(), plan.function_name or "", text.strip())]
-    if not isinstance(value, list):
-        return []
-    return [
-        ToolCall(new_call_id(), call["name"], json.dumps(call["parameters"], ensure_ascii=False))
-        for call in value
-        if isinstance(call, dict) and "name" in call and "parameters" in call
-    ]
 
 
 def check_parser_name(name: str | None) -> None:

@@ -37,6 +37,7 @@ from render_server.templating.errors import (
 )
 from render_server.templating.isolation import TemplateProcesses
 from render_server.templating.sandbox import SandboxEnvironment
+from render_server.templating.templates import tools_template_for
 from render_server.templating.tokenizer import Tokenizer
 
 __all__ = [
@@ -176,6 +177,16 @@ def _map_strings(value: Any, fn: Callable[[str], str]) -> Any:
     return value
 
 
+def _has_tool_turns(messages: Any) -> bool:
+    """Whether a chat holds tool calls or tool results, which only a template that shows
+    tools renders faithfully."""
+    return isinstance(messages, list) and any(
+        isinstance(message, Mapping)
+        and (message.get("role") == "tool" or message.get("tool_calls"))
+        for message in messages
+    )
+
+
 def _flatten_content(content: list[Any]) -> str:
     texts = []
     for part in content:
@@ -260,6 +271,9 @@ class ChatRenderer:
     ) -> None:
         self.tokenizer = tokenizer
         self.chat_template = template_override or tokenizer.chat_template
+        self.tools_template = None if template_override else tools_template_for(self.chat_template)
+        """duet's template that shows tools, for tool requests that ask for it when the
+        model's own template cannot show them (None: the chat template shows them)."""
         self.render_deadline_s = render_deadline_s
         self.max_output_chars = max_output_chars
         self.trust_request_chat_template = trust_request_chat_template
@@ -290,10 +304,11 @@ class ChatRenderer:
             # where the alternation above tries every token at every position.
             first_chars = "".join(sorted({re.escape(token[0]) for token in protected}))
             self._protect_hint = re.compile(f"[{first_chars}\U000f0000-\U000ffffd]")
-        if self.chat_template is not None:
-            # Compiled now rather than in the first request; a broken one fails per request.
-            with contextlib.suppress(ChatTemplateError):
-                self._compile(self.chat_template)
+        for template in (self.chat_template, self.tools_template):
+            if template is not None:
+                # Compiled now rather than in the first request; a broken one fails per request.
+                with contextlib.suppress(ChatTemplateError):
+                    self._compile(template)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -311,11 +326,13 @@ class ChatRenderer:
         documents: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         chat_template: str | None = None,
+        with_tools_template: bool = False,
     ) -> RenderedChat:
-        """Render (inline or on the pool) and wait; raises ChatTemplateTimeout past the deadline."""
+        """Render (inline or on the pool) and wait; raises ChatTemplateTimeout past the deadline.
+        `with_tools_template`: a chat with tools or tool turns renders with `tools_template`."""
         call, inline = self._plan(
             messages, add_generation_prompt, continue_final_message, tools, documents,
-            chat_template_kwargs, chat_template,
+            chat_template_kwargs, chat_template, with_tools_template,
         )  # fmt: skip
         if inline:
             return self._render_inline(call)
@@ -337,13 +354,14 @@ class ChatRenderer:
         documents: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         chat_template: str | None = None,
+        with_tools_template: bool = False,
     ) -> RenderedChat:
         """`render` for the event loop: small renders of the server's template run inline (a
         few milliseconds at most, stopped at the deadline all the same); the rest run on the
         pool without blocking the loop, and a cancelled caller stops them too."""
         call, inline = self._plan(
             messages, add_generation_prompt, continue_final_message, tools, documents,
-            chat_template_kwargs, chat_template,
+            chat_template_kwargs, chat_template, with_tools_template,
         )  # fmt: skip
         if inline:
             return self._render_inline(call)
@@ -372,6 +390,7 @@ class ChatRenderer:
         documents: list[dict[str, Any]] | None,
         chat_template_kwargs: dict[str, Any] | None,
         chat_template: str | None,
+        with_tools_template: bool,
     ) -> tuple[Callable[[], RenderedChat], bool]:
         """The render as a call, and whether it may run in the caller's thread."""
         # The cheap checks run in the caller, so they fail fast and never queue.
@@ -381,6 +400,13 @@ class ChatRenderer:
                 "(start it with --trust-request-chat-template to allow them)"
             )
         source = chat_template if chat_template is not None else self.chat_template
+        if (
+            chat_template is None
+            and with_tools_template
+            and self.tools_template is not None
+            and (tools or _has_tool_turns(messages))
+        ):
+            source = self.tools_template
         if source is None:
             raise ChatTemplateError(
                 "the model has no chat template; start the server with --chat-template FILE"

@@ -16,7 +16,7 @@ from render_server.http.formatter import OpenAIFormatter
 from render_server.http.serving import GENERATION_ERRORS, new_request_id
 from render_server.parsing.chat_output import ChoiceProcessor
 from render_server.parsing.reasoning import get_reasoning_parser
-from render_server.parsing.tool_choice import ToolPlan, plan_tools
+from render_server.parsing.tool_choice import ToolPlan, plan_tools, tool_setup
 from render_server.schemas.errors import ApiError
 from render_server.schemas.generation import ChatCompletionRequest
 from render_server.schemas.responses import (
@@ -56,7 +56,10 @@ def _chat_logprobs(
 
 
 async def _render(
-    state: RenderState, body: ChatCompletionRequest, tools: list[dict] | None
+    state: RenderState,
+    body: ChatCompletionRequest,
+    tools: list[dict] | None,
+    with_tools_template: bool,
 ) -> list[int]:
     started = time.perf_counter()
     try:
@@ -68,6 +71,7 @@ async def _render(
             documents=body.documents,
             chat_template_kwargs=body.chat_template_kwargs,
             chat_template=body.chat_template,
+            with_tools_template=with_tools_template,
         )
     except RequestTemplateNotAllowed as exc:
         raise ApiError(400, exc.message, param="chat_template") from exc
@@ -119,16 +123,22 @@ async def chat_completions(
     """OpenAI's chat completions, streamed (SSE) or not."""
     pool = admit(state, body)
     settings = state.settings
+    setup = tool_setup(
+        tool_call_parser=settings.tool_call_parser,
+        enable_auto_tool_choice=settings.enable_auto_tool_choice,
+        chat_template=state.renderer.chat_template,
+        builtin_template=state.renderer.tools_template,
+    )
     plan = plan_tools(
         [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None,
         body.tool_choice,
         body.parallel_tool_calls,
-        enable_auto_tool_choice=settings.enable_auto_tool_choice,
-        tool_call_parser=settings.tool_call_parser,
+        enable_auto_tool_choice=setup.allows_auto,
+        tool_call_parser=setup.parser_name,
     )
     thinking = (body.chat_template_kwargs or {}).get("enable_thinking", True) is not False
     constraint = await _constraint(request, state, body, plan, thinking)
-    prompt_ids = await _render(state, body, plan.tools)
+    prompt_ids = await _render(state, body, plan.tools, setup.uses_builtin_template)
     generation = new_generation(
         state,
         pool,

@@ -125,6 +125,9 @@ class ToolParser:
     """
 
     name: ClassVar[str] = ""
+    template_marker: ClassVar[str | None] = None
+    """Text found only in chat templates that ask for this format: a template holding it
+    picks this parser when the operator names none (`tool_choice.tool_setup`)."""
     _STEPS: ClassVar[Mapping[Any, Callable[[Any, str, int, bool], int]]]
     _state: StateEnum
 

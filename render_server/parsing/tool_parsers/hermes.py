@@ -35,6 +35,7 @@ class HermesToolParser(ToolParser):
     """Parses ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, several allowed."""
 
     name = "hermes"
+    template_marker = OPEN_TAG
 
     def __init__(self, tools: Tools = None) -> None:
         super().__init__(tools)

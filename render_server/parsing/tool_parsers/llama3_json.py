@@ -32,6 +32,8 @@ class Llama3JsonToolParser(ToolParser):
     """Parses a reply made of ``{"name": ..., "parameters": {...}}`` objects joined by ``;``."""
 
     name = "llama3_json"
+    # Llama 3.1 / 3.2 / 3.3 templates describe the format in these words.
+    template_marker = '"parameters": dictionary of argument name and its value'
 
     def __init__(self, tools: Tools = None) -> None:
         super().__init__(tools)

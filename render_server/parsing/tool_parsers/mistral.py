@@ -57,6 +57,7 @@ class MistralToolParser(ToolParser):
     """Parses ``[TOOL_CALLS]`` followed by a JSON array of calls or by ``name[ARGS]{...}``."""
 
     name = "mistral"
+    template_marker = TOOL_CALLS_TAG
 
     def __init__(self, tools: Tools = None) -> None:
         super().__init__(tools)

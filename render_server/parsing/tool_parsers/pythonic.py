@@ -59,6 +59,8 @@ class PythonicToolParser(ToolParser):
     """Parses a reply that is a Python list of calls with literal keyword arguments."""
 
     name = "pythonic"
+    # vLLM's Llama 3.2 / 4 pythonic templates show the format with this example.
+    template_marker = "[func_name1(params_name1=params_value1"
 
     def __init__(self, tools: Tools = None) -> None:
         super().__init__(tools)

@@ -1,15 +1,20 @@
 """Chat templates shipped with duet, selectable by name with `--chat-template NAME`.
 
-- `chatml_tools`: hermes-style ChatML with tool calling (pairs with `--tool-call-parser
-  hermes`); renders plain chats exactly like SmolLM2's own template.
+- `chatml_tools`: hermes-style ChatML with tool calling (the `hermes` tool parser reads
+  its calls). It is also the default for tool requests to a ChatML model whose own
+  template shows no tools (SmolLM2, the built-in model): `tools_template_for`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import jinja2
+import jinja2.meta
+
 _HERE = Path(__file__).parent
 BUILTIN_TEMPLATES = {path.stem: path for path in _HERE.glob("*.jinja")}
+_CHATML_TURN = "<|im_start|>"
 
 
 def read_chat_template(value: Path | str) -> str:
@@ -18,3 +23,23 @@ def read_chat_template(value: Path | str) -> str:
     if not path.exists() and str(value) in BUILTIN_TEMPLATES:
         path = BUILTIN_TEMPLATES[str(value)]
     return path.read_text(encoding="utf-8")
+
+
+def shows_tools(template: str) -> bool:
+    """Whether a chat template reads the `tools` it is given (parsed, never run)."""
+    try:
+        ast = jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError:
+        return False
+    return "tools" in jinja2.meta.find_undeclared_variables(ast)
+
+
+def tools_template_for(model_template: str | None) -> str | None:
+    """The built-in template that shows tools to a model whose own template cannot: a
+    ChatML model's gets `chatml_tools`, in the turn format it was trained on. None when
+    the model's template shows tools itself, or is of a family with no built-in one."""
+    if model_template is None or _CHATML_TURN not in model_template:
+        return None
+    if shows_tools(model_template):
+        return None
+    return read_chat_template("chatml_tools")

@@ -6,6 +6,7 @@ import json
 import re
 from collections.abc import Iterator
 
+import httpx
 import jsonschema
 import pytest
 from openai import OpenAI
@@ -46,6 +47,8 @@ TIME = {
 TOOLS = [WEATHER, TIME]
 SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+BROKEN_CALL = '<tool_call>{"name": "get_time", "arguments": {bad json</tool_call>'
+GOOD_CALL = '<tool_call>{"name": "get_time", "arguments": {"timezone": "UTC"}}</tool_call>'
 
 
 @pytest.fixture(scope="module")
@@ -155,12 +158,91 @@ def test_auto_tool_choice_gives_content_or_valid_calls(tools_client: OpenAI) -> 
         assert "<tool_call>" not in message.content
 
 
-def test_auto_needs_the_server_flags(client: OpenAI) -> None:
-    import openai
+def test_the_default_server_reads_the_models_calls(client: OpenAI) -> None:
+    """No flags (`make serve`): tool requests render with chatml_tools and "auto" reads its
+    hermes calls. The model is made to write one call (a choice of one string)."""
+    request = {
+        "model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 40, "temperature": 0,
+        "extra_body": {"structured_outputs": {"choice": [GOOD_CALL]}},
+    }  # fmt: skip
+    choice = client.chat.completions.create(**request).choices[0]
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    assert (choice.message.content, calls) == (None, [("get_time", '{"timezone": "UTC"}')])
+    assert choice.finish_reason == "tool_calls"
 
-    with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="auto")
-    assert info.value.body["param"] == "tool_choice"
+
+def test_plain_chat_renders_with_the_models_own_template(
+    client: OpenAI, render: ServerProcess
+) -> None:
+    """The built-in tools template is for tool requests only: a plain chat's prompt is the
+    model's own template's, token for token (/tokenize renders with it)."""
+    tokenized = httpx.post(
+        f"{render.base_url}/tokenize", json={"messages": ASK, "add_generation_prompt": True}
+    ).json()
+    plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1)
+    assert plain.usage.prompt_tokens == tokenized["count"]
+    shown = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=1
+    )
+    assert shown.usage.prompt_tokens > tokenized["count"] + 100  # the tools, described
+
+
+def _complete_calls(text: str) -> list[tuple[str, str]]:
+    """The whole `{"name", "parameters"}` objects at the start of a cut JSON array."""
+    decoder, calls, pos = json.JSONDecoder(), [], 1
+    while True:
+        pos = len(text) - len(text[pos:].lstrip(" ,"))
+        try:
+            call, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            return calls
+        calls.append((call["name"], json.dumps(call["parameters"], ensure_ascii=False)))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_cut_call_list_keeps_its_complete_calls(client: OpenAI, stream: bool) -> None:
+    """max_tokens ends a `required` answer inside its second call: the first is a tool
+    call, the unfinished one is dropped, and no JSON is left in content."""
+    request = {
+        "model": MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": "required",
+        "max_tokens": 30, "temperature": 0, "logprobs": True,
+    }  # fmt: skip
+    if stream:
+        content, deltas, finish, tokens = "", {}, None, []
+        for chunk in client.chat.completions.create(**request, stream=True):
+            for streamed in chunk.choices:
+                finish = streamed.finish_reason or finish
+                content += streamed.delta.content or ""
+                if streamed.logprobs is not None:
+                    tokens += [entry.token for entry in streamed.logprobs.content or []]
+                for call in streamed.delta.tool_calls or []:
+                    deltas[call.index] = (call.function.name, call.function.arguments)
+        calls = [deltas[index] for index in sorted(deltas)]
+    else:
+        choice = client.chat.completions.create(**request).choices[0]
+        content, finish = choice.message.content or "", choice.finish_reason
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        tokens = [entry.token for entry in choice.logprobs.content]
+    generated = "".join(tokens)
+    assert len(_complete_calls(generated)) == 1, generated  # the cut is in the second call
+    assert (calls, content, finish) == (_complete_calls(generated), "", "length")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_cut_named_call_is_no_call(client: OpenAI, stream: bool) -> None:
+    request = {
+        "model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 4, "temperature": 0,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    }  # fmt: skip
+    if stream:
+        chunks = list(client.chat.completions.create(**request, stream=True))
+        deltas = [choice.delta for chunk in chunks for choice in chunk.choices]
+        assert not any(delta.tool_calls or delta.content for delta in deltas)
+        assert chunks[-1].choices[0].finish_reason == "length"
+    else:
+        choice = client.chat.completions.create(**request).choices[0]
+        assert (choice.message.tool_calls, choice.message.content) == (None, None)
+        assert choice.finish_reason == "length"
 
 
 def test_reasoning_is_split_from_the_answer(tools_client: OpenAI) -> None:
@@ -192,10 +274,6 @@ def test_reasoning_is_split_from_the_answer(tools_client: OpenAI) -> None:
         extra_body={**body, "include_reasoning": False},
     )  # fmt: skip
     assert hidden.choices[0].message.model_extra.get("reasoning_content") is None
-
-
-BROKEN_CALL = '<tool_call>{"name": "get_time", "arguments": {bad json</tool_call>'
-GOOD_CALL = '<tool_call>{"name": "get_time", "arguments": {"timezone": "UTC"}}</tool_call>'
 
 
 @pytest.mark.parametrize(

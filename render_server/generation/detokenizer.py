@@ -6,7 +6,9 @@ difference once it no longer ends in U+FFFD), so each step costs O(window), not 
 The stop layer then holds back only the tail that could still grow into a stop string (at
 most the longest stop less one character), so text a stop later removes is never streamed.
 A decoder step that ends inside a character holds that step's whole text (as in vLLM), so
-multi-id chunks cut mid-character release one step late.
+multi-id chunks cut mid-character release one step late. Output that ends inside a
+character (a length cut) ends before it: the text never ends in U+FFFD, while the logprobs'
+`bytes` still carry those bytes.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import ByteLevel
 
 from render_server.templating.tokenizer import Tokenizer
+from shared.byte_level import unicode_to_bytes
 
 # DecodeStream (tokenizers >= 0.22: `ids=` prefill and list steps) runs the same window scheme
 # in Rust: one Python call per step instead of two `decode` calls plus list slicing
@@ -33,6 +37,9 @@ except ImportError:  # tokenizers < 0.21
 # whose output depends on the previous token (a leading space), never emitted.
 PROMPT_CONTEXT_TOKENS = 5
 _REPLACEMENT = "\ufffd"
+_BYTE_OF_CHAR = unicode_to_bytes()
+# A UTF-8 lead byte's high nibble -> the length of its character (1: ASCII or invalid).
+_UTF8_LENGTH = {0xC: 2, 0xD: 2, 0xE: 3, 0xF: 4}
 
 
 @dataclass(slots=True)
@@ -108,13 +115,51 @@ class _Decoder:
         return piece
 
     def flush(self) -> str:
-        """The held ids' text as the full decode renders it (U+FFFD for truncated bytes)."""
+        """The held ids' text, less a last character their bytes leave incomplete (a
+        length cut mid-character): as while streaming, it is never shown as U+FFFD."""
         if not self.pending:
             return ""
         text = self._decode(self.context + self.pending)[len(self._decode(self.context)) :]
+        # An incomplete tail decodes to exactly one U+FFFD; the bytes tell it from a
+        # replacement character the model wrote or bytes no later id could complete.
+        if text.endswith(_REPLACEMENT) and self._ends_inside_character(self.pending):
+            text = text[:-1]
         self.context, self.pending = self.pending, []
         self.stream = self._new_stream()
         return text
+
+    def _ends_inside_character(self, ids: list[int]) -> bool:
+        """Whether the bytes of `ids` end with the head of a UTF-8 character."""
+        byte_level = isinstance(self.hf.decoder, ByteLevel)
+        tail = b""
+        for token_id in reversed(ids):
+            tail = _piece_bytes(self.hf.id_to_token(token_id) or "", byte_level) + tail
+            if len(tail) >= 4:
+                break
+        return _is_incomplete_utf8(tail[-4:])
+
+
+def _piece_bytes(piece: str, byte_level: bool) -> bytes:
+    """A vocabulary piece's bytes: GPT-2's byte alphabet, SentencePiece's `<0xNN>` byte
+    fallback, or else the piece's own text."""
+    if byte_level and all(char in _BYTE_OF_CHAR for char in piece):
+        return bytes(_BYTE_OF_CHAR[char] for char in piece)
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            pass
+    return piece.encode()
+
+
+def _is_incomplete_utf8(tail: bytes) -> bool:
+    """Whether `tail` (the last bytes, at most 4) ends with a lead byte and fewer
+    continuation bytes than it announces."""
+    for back in range(1, len(tail) + 1):
+        byte = tail[-back]
+        if byte & 0xC0 != 0x80:  # not a continuation byte: the last lead (or ASCII)
+            return back < _UTF8_LENGTH.get(byte >> 4, 1)
+    return False
 
 
 class IncrementalDetokenizer:
@@ -164,7 +209,8 @@ class IncrementalDetokenizer:
         return self._check_stops(new_text, release_all=False)
 
     def flush(self) -> str:
-        """End of generation: release held text and any ids still waiting for a character."""
+        """End of generation: release held text and the ids still waiting for a character,
+        less a last character they leave incomplete."""
         if self.is_finished:
             return ""
         self.is_finished = True

@@ -95,17 +95,37 @@ def test_split_character_is_held_until_complete(smollm2_tokenizer: Tokenizer, ba
     assert not any(texts[1:-1])
 
 
-def test_flush_emits_truncated_character_as_decoded(
+@pytest.mark.parametrize("stops", [[], ["never"]])
+def test_flush_drops_a_truncated_last_character(
+    smollm2_tokenizer: Tokenizer, backend: str, stops: list[str]
+) -> None:
+    """A length cut inside a character: the text ends before it, never in U+FFFD."""
+    for text in ["ok 世界", "a👍", "👨‍👩‍👧"]:
+        whole = encode(smollm2_tokenizer, text)
+        for cut in range(1, len(whole)):
+            ids = whole[:cut]
+            detok = IncrementalDetokenizer(smollm2_tokenizer, stop=stops)
+            run(detok, ids)
+            full = smollm2_tokenizer.decode(ids)
+            assert detok.output_text == full.removesuffix("\ufffd"), (text, cut)
+            assert detok.flush() == ""
+            assert detok.add(encode(smollm2_tokenizer, "x")).text == ""
+
+
+def test_flush_keeps_replacement_characters_that_are_not_a_cut(
     smollm2_tokenizer: Tokenizer, backend: str
 ) -> None:
-    ids = encode(smollm2_tokenizer, "ok 世界")[:-1]
-    detok = IncrementalDetokenizer(smollm2_tokenizer)
-    updates, tail = run(detok, ids)
-    assert "\ufffd" not in "".join(u.text for u in updates)
-    assert detok.output_text == smollm2_tokenizer.decode(ids)
-    assert tail.endswith("\ufffd")
-    assert detok.flush() == ""
-    assert detok.add(encode(smollm2_tokenizer, "x")).text == ""
+    """U+FFFD the model wrote, or for bytes no later id could complete, stays: only an
+    incomplete last character is dropped."""
+    emoji = encode(smollm2_tokenizer, "👍")
+    for ids in (
+        encode(smollm2_tokenizer, "ok \ufffd"),
+        [*encode(smollm2_tokenizer, "ok"), emoji[-1]],  # a continuation byte alone
+    ):
+        detok = IncrementalDetokenizer(smollm2_tokenizer)
+        run(detok, ids)
+        assert detok.output_text == smollm2_tokenizer.decode(ids)
+        assert detok.output_text.endswith("\ufffd")
 
 
 def test_prompt_gives_context_but_is_never_emitted(

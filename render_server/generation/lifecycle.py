@@ -97,6 +97,9 @@ class PromptGeneration:
         self.num_cached_tokens = 0
         self.queue_time: float | None = None
         """Seconds the first choice waited in its worker's queue, as the worker reports it."""
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
+        """Per prompt token (None for the first), when the request asked for them: the
+        first choice's (every choice computes the same)."""
         self.choices: list[Choice] = []
 
     @property
@@ -116,6 +119,8 @@ class PromptGeneration:
             self.num_cached_tokens = delta.num_cached_tokens
         if self.queue_time is None:
             self.queue_time = delta.queue_time
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = delta.prompt_logprobs
 
 
 class Choice:
@@ -138,6 +143,7 @@ class Choice:
             include_stop_str_in_output=spec.include_stop_str_in_output,
             prompt_token_ids=prompt.prompt_token_ids,
         )
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self.stream: RequestStream | None = None
         """Set once submitted."""
         self.logprobs: list[TokenLogprobs] = []
@@ -158,9 +164,20 @@ class Choice:
         """A worker delta as text: stop strings cut, held-back text flushed at the end."""
         self.prompt.observe(delta)
         detokenizer = self.detokenizer
-        update = detokenizer.add(delta.new_token_ids)
-        text = update.text
         finish_reason = delta.finish_reason
+        ids = delta.new_token_ids
+        # The worker ends "stop" on EOS, a stop token id (both the last id) or a completed
+        # grammar (the last id is output): as in vLLM, a stop token stays in token_ids and
+        # logprobs but not in the text.
+        if (
+            finish_reason == "stop"
+            and ids
+            and not self.spec.include_stop_str_in_output
+            and (delta.stop_token_id is not None or ids[-1] in self.eos_token_ids)
+        ):
+            ids = ids[:-1]
+        update = detokenizer.add(ids)
+        text = update.text
         stop_reason: int | str | None = delta.stop_token_id
         if update.finished_by_stop:
             finish_reason, stop_reason = "stop", update.stop_str
@@ -194,6 +211,7 @@ class Generation:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        worker_request_id: str | None = None,
         arrival_time: float | None = None,
         constraint: Constraint | None = None,
         recorder: GenerationRecorder | None = None,
@@ -211,8 +229,9 @@ class Generation:
         self.prompts: list[PromptGeneration] = []
         self.choices: list[Choice] = []
         """Every choice, prompt by prompt: `choices[i].index == i`."""
+        base_id = worker_request_id or request_id
         for number, prompt_spec in enumerate(prompts):
-            prompt_id = request_id if len(prompts) == 1 else f"{request_id}-{number}"
+            prompt_id = base_id if len(prompts) == 1 else f"{base_id}-{number}"
             prompt = PromptGeneration(prompt_id, prompt_spec.prompt_token_ids, arrival)
             self.prompts.append(prompt)
             for spec in prompt_spec.choices:

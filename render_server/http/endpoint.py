@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -26,10 +27,13 @@ from starlette.background import BackgroundTask
 
 from render_server.generation.lifecycle import Generation, PromptSpec
 from render_server.generation.sampling_params import (
+    bad_words_token_ids,
     build_choices,
+    check_priority,
     check_prompt_length,
     reject_unsupported,
     resolve_max_tokens,
+    truncate_prompt,
 )
 from render_server.generation.structured import ConstraintValidator
 from render_server.http.formatter import ResponseFormatter
@@ -62,7 +66,9 @@ def admit(state: RenderState, body: SamplingFields) -> WorkerPool:
     fields, the served model, a worker to run on."""
     reject_unsupported(body)
     state.check_model(body.model)
-    return state.require_workers()
+    pool = state.require_workers()
+    check_priority(body.priority, pool.model_card)
+    return pool
 
 
 def new_generation(
@@ -81,8 +87,12 @@ def new_generation(
     max_model_len = state.max_model_len
     requested, param = body.requested_max_tokens()
     logprobs = body.num_logprobs()
+    bad_words = bad_words_token_ids(state.tokenizer, body.bad_words) if body.bad_words else None
     specs = []
     for prompt_ids in prompts:
+        prompt_ids = truncate_prompt(
+            prompt_ids, body.truncate_prompt_tokens, max_model_len, requested
+        )
         check_prompt_length(len(prompt_ids), max_model_len, prompt_param)
         choices = build_choices(
             body,
@@ -90,14 +100,20 @@ def new_generation(
             logprobs=logprobs,
             vocab_size=state.tokenizer.vocab_size,
             max_n=state.settings.max_n,
+            bad_words=bad_words,
         )
         specs.append(PromptSpec(prompt_ids, choices))
+    # A client's request_id may repeat one still running, or one whose last tokens are
+    # still on their way after an abort: its worker requests get ids of their own.
+    worker_request_id = f"{request_id}-{uuid.uuid4().hex[:8]}" if body.request_id else None
     return Generation(
         pool,
         state.tokenizer,
         request_id,
         specs,
         priority=body.priority,
+        cache_salt=body.cache_salt,
+        worker_request_id=worker_request_id,
         constraint=constraint,
         recorder=state.generation_metrics,
         timeout_s=state.settings.request_timeout_s,
@@ -125,13 +141,21 @@ def tenant_cache_salt(request: Request) -> str | None:
     return hashlib.sha256(b"duet-tenant\0" + token.strip().encode()).hexdigest()
 
 
+def request_cache_salt(request: Request, salt: str | None) -> str | None:
+    """The salt a request's prefix hashes take: the client's `cache_salt`, its tenant's,
+    or under per-key isolation a digest of both, so no tenant can choose a salt that
+    equals another tenant's."""
+    tenant = tenant_cache_salt(request)
+    if tenant is None or salt is None:
+        return tenant or salt
+    return hashlib.sha256(f"{tenant}:{salt}".encode()).hexdigest()
+
+
 async def respond(
     request: Request, generation: Generation, formatter: ResponseFormatter, *, stream: bool
 ) -> Response:
     """Run `generation` and answer with what `formatter` makes of it."""
-    salt = tenant_cache_salt(request)
-    if salt is not None:
-        generation.cache_salt = salt
+    generation.cache_salt = request_cache_salt(request, generation.cache_salt)
     try:
         await generation.start()
         if stream:

@@ -41,8 +41,10 @@ class ClientDisconnected(Exception):
     """The client went away before its response was ready."""
 
 
-def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_request_id(prefix: str, requested: str | None = None) -> str:
+    """The response id: the client's `request_id` (vLLM's field) after `prefix`, or a
+    fresh one."""
+    return f"{prefix}-{requested or uuid.uuid4().hex}"
 
 
 def worker_error_to_api(error: WorkerError) -> ApiError:

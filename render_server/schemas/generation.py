@@ -1,18 +1,20 @@
 """Request fields chat and completions share: sampling, stops, limits (OpenAI + vLLM).
 
-Unknown fields are ignored, as the OpenAI SDK sends fields duet has no use for
-(`metadata`, `store`, ...). Fields duet does not support yet are named in
-`UNSUPPORTED_FIELDS` and answered with a 400 that names them.
+Every field of vLLM's request schemas is declared here: honoured, or named in
+`UNSUPPORTED_FIELDS` and answered with a 400 naming it when the client sets it to anything
+but its default (tests/e2e/test_vllm_field_walk.py walks them all). Keys in neither vLLM's
+nor OpenAI's schemas are ignored, as vLLM ignores them.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from render_server.schemas.body import JsonBody
 from render_server.schemas.tokenize import ChatMessage, ToolDefinition
+from render_server.schemas.vllm_fields import VllmFields
 from shared.sampling import INT64_MAX, INT64_MIN
 
 # Bounds checked in the render tier before anything reaches a worker.
@@ -34,8 +36,21 @@ class StreamOptions(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    include_usage: bool = False
-    """Send a last chunk with `usage` (and empty `choices`) before `[DONE]`."""
+    include_usage: bool | None = None
+    """Send a last chunk with `usage` (and empty `choices`) before `[DONE]`; unset means
+    false, or true with `continuous_usage_stats` (as in vLLM, where it defaults to true)."""
+    continuous_usage_stats: bool = False
+    """vLLM's: every chunk carries the usage so far."""
+
+    @property
+    def wants_final_usage(self) -> bool:
+        if self.include_usage is None:
+            return self.continuous_usage_stats
+        return self.include_usage
+
+    @property
+    def wants_usage_per_chunk(self) -> bool:
+        return self.continuous_usage_stats and self.include_usage is not False
 
 
 class StructuredOutputsField(BaseModel):
@@ -54,7 +69,7 @@ class StructuredOutputsField(BaseModel):
     """Not supported: refused when set."""
 
 
-class SamplingFields(JsonBody):
+class SamplingFields(VllmFields):
     """Fields of both endpoints that become SamplingParams, stops and limits."""
 
     model_config = ConfigDict(extra="ignore")
@@ -85,8 +100,9 @@ class SamplingFields(JsonBody):
     user: str | None = None
     """Accepted for compatibility; unused."""
     priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
-    """vLLM's scheduling priority, carried to the worker (which does not order by it yet);
-    bounded to a signed 64-bit integer, as the wire carries it."""
+    """vLLM's scheduling priority (lower runs first) under the workers'
+    --scheduling-policy priority; under fcfs anything but 0 is refused. Bounded to a
+    signed 64-bit integer, as the wire carries it."""
     response_format: Any = None
     """OpenAI's structured outputs: {"type": "text" | "json_object" | "json_schema", ...}."""
     structured_outputs: StructuredOutputsField | None = None
@@ -96,6 +112,25 @@ class SamplingFields(JsonBody):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    best_of: int | None = None
+    """Only equal to n: choices are sampled independently, none is ranked out."""
+
+    @field_validator("best_of")
+    @classmethod
+    def _check_best_of(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        if best_of is not None and best_of != info.data.get("n", 1):
+            raise ValueError("best_of other than n is not supported.")
+        return best_of
+
+    @model_validator(mode="after")
+    def _check_streaming_fields(self) -> SamplingFields:
+        # As vLLM: options of a stream need a stream, and prompt logprobs are not streamed.
+        options = self.stream_options
+        if options is not None and options.model_fields_set and not self.stream:
+            raise _field_error("stream_options", "only allowed when stream is true.")
+        if self.prompt_logprobs is not None and self.stream:
+            raise _field_error("prompt_logprobs", "not available when stream is true.")
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -157,6 +192,13 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     include_reasoning: bool = True
     """Return the reasoning the --reasoning-parser splits off (reasoning_content)."""
+    echo: bool = False
+    """vLLM's: the answer starts with the last message's content when that message has
+    the answer's role (an assistant message to continue)."""
+    add_special_tokens: bool = False
+    """Add the tokenizer's special tokens (BOS) on top of the template's."""
+    reasoning_effort: str | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
@@ -195,7 +237,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     add_special_tokens: bool = True
     suffix: str | None = None
-    best_of: int | None = None
+    prompt_embeds: Any = None
 
     @field_validator("prompt")
     @classmethod
@@ -218,13 +260,6 @@ class CompletionRequest(SamplingFields):
             raise ValueError(f"must be in [0, {MAX_COMPLETION_LOGPROBS}].")
         return logprobs
 
-    @field_validator("best_of")
-    @classmethod
-    def _check_best_of(cls, best_of: int | None, info: ValidationInfo) -> int | None:
-        if best_of is not None and best_of != info.data.get("n", 1):
-            raise ValueError("best_of other than n is not supported.")
-        return best_of
-
     def prompt_texts(self) -> list[str] | None:
         """The prompts as strings, or None when they are token ids."""
         prompt = self.prompt
@@ -242,7 +277,6 @@ class CompletionRequest(SamplingFields):
         return [list(ids) for ids in prompt if isinstance(ids, list)]
 
 
-# Field -> why it is refused. Only refused when the client actually sets it.
-UNSUPPORTED_FIELDS: dict[str, str] = {
-    "suffix": "suffix (insertion) is not supported",
-}
+def _field_error(param: str, message: str) -> PydanticCustomError:
+    """A whole-body check's error, naming the field it is about."""
+    return PydanticCustomError("invalid_field", message, {"param": param})

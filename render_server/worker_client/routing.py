@@ -151,6 +151,8 @@ def continuation(request: Generate, output_token_ids: Sequence[int]) -> Generate
         sampling,
         max_tokens=max(1, sampling.max_tokens - done),
         min_tokens=max(0, sampling.min_tokens - done),
+        # The first worker sent them; the longer prompt would only repeat them.
+        prompt_logprobs=None,
     )
     constraint = request.constraint
     if constraint is not None:  # the new worker's matcher first consumes what was generated

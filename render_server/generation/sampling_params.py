@@ -25,7 +25,7 @@ def reject_unsupported(body: SamplingFields) -> None:
 
 def check_priority(priority: int, card: ModelCard | None) -> None:
     """A priority other than 0 needs workers that schedule by it (as vLLM refuses it)."""
-    policy = getattr(card, "scheduling_policy", "fcfs")
+    policy = card.scheduling_policy if card is not None else "fcfs"
     if priority != 0 and policy != "priority":
         raise ApiError(
             400,

@@ -5,15 +5,23 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from typing import Generic, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import msgspec
 
-from render_server.generation.lifecycle import Choice, ChoiceDelta, Generation
+from render_server.generation.lifecycle import Choice, ChoiceDelta, Generation, PromptGeneration
 from render_server.http.serving import SSE_DONE, sse_error, sse_event, usage_of
 from render_server.schemas.errors import ApiError
-from render_server.schemas.generation import StreamOptions
-from render_server.schemas.responses import Usage
+from render_server.schemas.generation import SamplingFields
+from render_server.schemas.responses import PromptLogprob, PromptLogprobs, Usage
+
+if TYPE_CHECKING:
+    # Only a type here: the api package imports this module while it initializes.
+    from render_server.http.api.deps import RenderState
+
+TokenLookup = Callable[[int], tuple[str, list[int]]]
+"""A token id -> its text and bytes, as logprobs spell them."""
 
 ChunkChoiceT = TypeVar("ChunkChoiceT")
 ChoiceT = TypeVar("ChoiceT")
@@ -58,13 +66,23 @@ class ResponseFormatter(ABC):
 
 class OpenAIFormatter(ResponseFormatter, Generic[ChunkChoiceT, ChoiceT]):
     """OpenAI's chat and text completions: an id/created/model envelope around choices,
-    `data:` events ended by `[DONE]`, and a usage chunk last when the client asked for
-    `stream_options.include_usage`. Subclasses build the envelopes and the choices."""
+    `data:` events ended by `[DONE]`, a usage chunk last when the client asked for
+    `stream_options.include_usage` (usage on every chunk with vLLM's
+    `continuous_usage_stats`), and vLLM's token-id options. Subclasses build the
+    envelopes and the choices."""
 
-    def __init__(self, model: str, stream_options: StreamOptions | None) -> None:
-        self.model = model
+    def __init__(self, state: RenderState, body: SamplingFields) -> None:
+        self.model = state.model_id
+        self.system_fingerprint = state.system_fingerprint
         self.created = int(time.time())
-        self.include_usage = stream_options is not None and stream_options.include_usage
+        options = body.stream_options
+        self.include_usage = options is not None and options.wants_final_usage
+        self.usage_per_chunk = options is not None and options.wants_usage_per_chunk
+        self.return_token_ids = bool(body.return_token_ids)
+        self.text_of: TokenLookup = state.token_text.lookup
+        self.tokens_as_ids = bool(body.return_tokens_as_token_ids)
+        self.lookup: TokenLookup = token_id_text if self.tokens_as_ids else self.text_of
+        """How logprobs spell a token: its text, or `token_id:N`."""
 
     @abstractmethod
     def chunk(
@@ -82,7 +100,8 @@ class OpenAIFormatter(ResponseFormatter, Generic[ChunkChoiceT, ChoiceT]):
 
     def event(self, generation: Generation, choice: ChunkChoiceT) -> bytes:
         """The SSE event of one choice's delta."""
-        return sse_event(self.chunk(generation, [choice]))
+        usage = usage_of(generation) if self.usage_per_chunk else None
+        return sse_event(self.chunk(generation, [choice], usage))
 
     def closing(self, generation: Generation) -> bytes:
         if not self.include_usage:
@@ -92,3 +111,40 @@ class OpenAIFormatter(ResponseFormatter, Generic[ChunkChoiceT, ChoiceT]):
     def body(self, generation: Generation) -> msgspec.Struct:
         choices = [self.whole_choice(choice) for choice in generation.choices]
         return self.whole(generation, choices, usage_of(generation))
+
+    def prompt_logprobs(self, prompt: PromptGeneration) -> PromptLogprobs | None:
+        """vLLM's `prompt_logprobs` of one prompt, when the request asked for them."""
+        entries = prompt.prompt_logprobs
+        if entries is None:
+            return None
+        decoded = self.text_of
+        result: PromptLogprobs = []
+        for token_id, entry in zip(prompt.prompt_token_ids, entries, strict=False):
+            if entry is None:
+                result.append(None)
+                continue
+            # The prompt's own token first, then the top alternatives (ranks 1..k); a top
+            # one that is the prompt's token is the same entry. -inf is not JSON: vLLM
+            # sends -9999.0.
+            position = {
+                token_id: PromptLogprob(
+                    max(entry.logprob, _MIN_LOGPROB), entry.rank, decoded(token_id)[0]
+                )
+            }
+            for rank, (alt_id, alt_logprob) in enumerate(
+                zip(entry.top_token_ids, entry.top_logprobs, strict=False), start=1
+            ):
+                position[alt_id] = PromptLogprob(
+                    max(alt_logprob, _MIN_LOGPROB), rank, decoded(alt_id)[0]
+                )
+            result.append(position)
+        return result
+
+
+_MIN_LOGPROB = -9999.0
+
+
+def token_id_text(token_id: int) -> tuple[str, list[int]]:
+    """vLLM's `return_tokens_as_token_ids` spelling of a token: `token_id:N`."""
+    text = f"token_id:{token_id}"
+    return text, list(text.encode())

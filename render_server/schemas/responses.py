@@ -8,6 +8,7 @@ bodies stay pydantic, where validation errors must name the field.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
@@ -98,6 +99,19 @@ class ChatMessageOut(msgspec.Struct, omit_defaults=True):
     """Alias of reasoning_content, as some clients read it."""
 
 
+class PromptLogprob(msgspec.Struct):
+    """vLLM's Logprob: one token at one prompt position."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+"""vLLM's `prompt_logprobs`: per prompt position (None for the first) the prompt's own
+token and the top alternatives, by token id."""
+
+
 class ChatChoice(msgspec.Struct):
     """One choice of a chat completion."""
 
@@ -106,6 +120,8 @@ class ChatChoice(msgspec.Struct):
     logprobs: ChatChoiceLogprobs | None
     finish_reason: FinishReason | None
     stop_reason: StopReason = None
+    token_ids: list[int] | None = None
+    """vLLM's `return_token_ids`: the generated ids."""
 
 
 class ChatCompletion(msgspec.Struct):
@@ -118,6 +134,8 @@ class ChatCompletion(msgspec.Struct):
     usage: Usage
     object: str = "chat.completion"
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class ChatDelta(msgspec.Struct, omit_defaults=True):
@@ -140,6 +158,12 @@ class ChatChunkChoice(msgspec.Struct):
     stop_reason: StopReason = None
 
 
+class ChatChunkChoiceWithIds(ChatChunkChoice, kw_only=True):
+    """A chunk's choice under `return_token_ids`: the ids this chunk adds."""
+
+    token_ids: list[int]
+
+
 class ChatCompletionChunk(msgspec.Struct):
     """One `data:` event of a streamed chat completion."""
 
@@ -152,6 +176,12 @@ class ChatCompletionChunk(msgspec.Struct):
     system_fingerprint: str | None = None
 
 
+class ChatCompletionFirstChunk(ChatCompletionChunk, kw_only=True):
+    """The first chunk under `return_token_ids`: it carries the prompt's ids."""
+
+    prompt_token_ids: list[int]
+
+
 class CompletionLogprobs(msgspec.Struct):
     """Legacy completions logprobs: parallel lists, one entry per token."""
 
@@ -162,7 +192,7 @@ class CompletionLogprobs(msgspec.Struct):
 
 
 class CompletionChoice(msgspec.Struct):
-    """One choice of a text completion (also the choice shape of its stream chunks)."""
+    """One choice of a streamed text completion's chunk."""
 
     index: int
     text: str
@@ -171,13 +201,30 @@ class CompletionChoice(msgspec.Struct):
     stop_reason: StopReason = None
 
 
+class CompletionChoiceWithIds(CompletionChoice, kw_only=True):
+    """A chunk's choice under `return_token_ids`: the ids it adds, and the prompt's ids
+    in the choice's first chunk."""
+
+    token_ids: list[int]
+    prompt_token_ids: list[int] | None = None
+
+
+class CompletionBodyChoice(CompletionChoice, kw_only=True):
+    """One choice of a non-streamed text completion, with vLLM's fields (null unless
+    asked for)."""
+
+    token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+
+
 class TextCompletion(msgspec.Struct):
     """The body of a text completion, streamed or not."""
 
     id: str
     created: int
     model: str
-    choices: list[CompletionChoice]
+    choices: Sequence[CompletionChoice]
     object: str = "text_completion"
     usage: Usage | None = None
     system_fingerprint: str | None = None

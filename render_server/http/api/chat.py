@@ -9,11 +9,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from render_server.generation.lifecycle import Choice, ChoiceDelta, Generation
+from render_server.generation.sampling_params import with_special_tokens
 from render_server.generation.structured import check_constraint, resolve_constraint
 from render_server.http.api.deps import RenderState, StateDep
 from render_server.http.endpoint import admit, constraint_validator, new_generation, respond
-from render_server.http.formatter import OpenAIFormatter
-from render_server.http.serving import GENERATION_ERRORS, new_request_id
+from render_server.http.formatter import OpenAIFormatter, TokenLookup
+from render_server.http.serving import GENERATION_ERRORS, new_request_id, sse_event, usage_of
 from render_server.parsing.chat_output import ChoiceProcessor
 from render_server.parsing.reasoning import get_reasoning_parser
 from render_server.parsing.tool_choice import ToolPlan, plan_tools, tool_setup
@@ -23,8 +24,10 @@ from render_server.schemas.responses import (
     ChatChoice,
     ChatChoiceLogprobs,
     ChatChunkChoice,
+    ChatChunkChoiceWithIds,
     ChatCompletion,
     ChatCompletionChunk,
+    ChatCompletionFirstChunk,
     ChatDelta,
     ChatMessageOut,
     ChatTokenLogprob,
@@ -33,23 +36,22 @@ from render_server.schemas.responses import (
 )
 from render_server.schemas.responses import FinishReason as ApiFinishReason
 from render_server.templating.chat_template import ChatTemplateError, RequestTemplateNotAllowed
-from render_server.templating.token_text import TokenText
 from shared.protocol import Constraint, FinishReason, TokenLogprobs
 
 router = APIRouter(tags=["generation"])
 
 
 def _chat_logprobs(
-    token_text: TokenText, token_ids: list[int], entries: list[TokenLogprobs] | None, top: int
+    lookup: TokenLookup, token_ids: list[int], entries: list[TokenLogprobs] | None, top: int
 ) -> ChatChoiceLogprobs | None:
     if entries is None:
         return None
     content = []
     for token_id, entry in zip(token_ids, entries, strict=False):
-        text, raw = token_text.lookup(token_id)
+        text, raw = lookup(token_id)
         alternatives = []
         for alt_id, alt_logprob in zip(entry.top_token_ids[:top], entry.top_logprobs, strict=False):
-            alt_text, alt_raw = token_text.lookup(alt_id)
+            alt_text, alt_raw = lookup(alt_id)
             alternatives.append(TopLogprob(alt_text, alt_logprob, alt_raw))
         content.append(ChatTokenLogprob(text, entry.logprob, raw, alternatives))
     return ChatChoiceLogprobs(content)
@@ -79,6 +81,8 @@ async def _render(
         raise ApiError(400, exc.message, param="messages", code="chat_template_error") from exc
     finally:
         state.metrics.render_seconds.observe(time.perf_counter() - started)
+    if body.add_special_tokens:
+        return with_special_tokens(state.tokenizer, rendered.token_ids)
     return rendered.token_ids
 
 
@@ -143,7 +147,7 @@ async def chat_completions(
         state,
         pool,
         body,
-        new_request_id("chatcmpl"),
+        new_request_id("chatcmpl", body.request_id),
         [prompt_ids],
         prompt_param="messages",
         constraint=constraint,
@@ -154,6 +158,19 @@ async def chat_completions(
     ]
     formatter = ChatFormatter(state, body, processors)
     return await respond(request, generation, formatter, stream=body.stream)
+
+
+def _echoed_text(body: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the last message's text when it has the answer's role (the
+    assistant's, or with add_generation_prompt false the last message's own)."""
+    last = body.messages[-1]
+    role = "assistant" if body.add_generation_prompt else last.role
+    if not body.echo or last.role != role:
+        return ""
+    content = last.content
+    if isinstance(content, list):
+        return "\n".join(part.text for part in content)
+    return content or ""
 
 
 class ChatFormatter(OpenAIFormatter[ChatChunkChoice, ChatChoice]):
@@ -168,9 +185,10 @@ class ChatFormatter(OpenAIFormatter[ChatChunkChoice, ChatChoice]):
         body: ChatCompletionRequest,
         processors: list[ChoiceProcessor],
     ) -> None:
-        super().__init__(state.model_id, body.stream_options)
-        self.token_text = state.token_text
+        super().__init__(state, body)
         self.processors = processors
+        self.echo = _echoed_text(body)
+        """vLLM's chat `echo`: the text each answer starts with."""
         self.logprobs = body.num_logprobs()
         """Top alternatives per token when the request asked for logprobs, else None."""
         self.include_reasoning = body.include_reasoning
@@ -184,39 +202,65 @@ class ChatFormatter(OpenAIFormatter[ChatChunkChoice, ChatChoice]):
         self, generation: Generation, choices: list[ChatChunkChoice], usage: Usage | None = None
     ) -> ChatCompletionChunk:
         return ChatCompletionChunk(
-            generation.request_id, self.created, self.model, choices, usage=usage
+            generation.request_id,
+            self.created,
+            self.model,
+            choices,
+            usage=usage,
+            system_fingerprint=self.system_fingerprint,
         )
 
     def whole(
         self, generation: Generation, choices: list[ChatChoice], usage: Usage
     ) -> ChatCompletion:
+        [prompt] = generation.prompts
         return ChatCompletion(
             id=generation.request_id,
             created=self.created,
             model=self.model,
             choices=choices,
             usage=usage,
+            system_fingerprint=self.system_fingerprint,
+            prompt_logprobs=self.prompt_logprobs(prompt),
+            prompt_token_ids=prompt.prompt_token_ids if self.return_token_ids else None,
         )
 
     def opening(self, generation: Generation) -> bytes:
         role = ChatDelta(role="assistant", content="")
-        return b"".join(
+        events = [
             self.event(generation, ChatChunkChoice(index, role))
             for index in range(len(generation.choices))
-        )
+        ]
+        if self.return_token_ids:
+            # As vLLM: the prompt's ids ride on the first chunk.
+            usage = usage_of(generation) if self.usage_per_chunk else None
+            first = self.chunk(generation, [ChatChunkChoice(0, role)], usage)
+            events[0] = sse_event(
+                ChatCompletionFirstChunk(
+                    **msgspec.structs.asdict(first),
+                    prompt_token_ids=generation.prompts[0].prompt_token_ids,
+                )
+            )
+        if self.echo:
+            echo = ChatDelta(content=self.echo)
+            events += [
+                self.event(generation, ChatChunkChoice(index, echo))
+                for index in range(len(generation.choices))
+            ]
+        return b"".join(events)
 
     def delta_events(self, generation: Generation, delta: ChoiceDelta) -> bytes | None:
         finished = delta.finish_reason is not None
-        if not delta.text and not finished and self.logprobs is None:
+        # Token ids are sent as they come, or a client could not rebuild the output's.
+        ids = delta.token_ids if self.return_token_ids else None
+        if not delta.text and not finished and self.logprobs is None and not ids:
             return None  # held back (a partial character or a possible stop string)
         logprobs = None
         if self.logprobs is not None:
-            logprobs = _chat_logprobs(
-                self.token_text, delta.token_ids, delta.logprobs, self.logprobs
-            )
+            logprobs = _chat_logprobs(self.lookup, delta.token_ids, delta.logprobs, self.logprobs)
         processor = self.processors[delta.index]
         piece = processor.feed_last(delta.text) if finished else processor.feed(delta.text)
-        if piece.is_empty and not finished and logprobs is None:
+        if piece.is_empty and not finished and logprobs is None and not ids:
             return None
         reasoning = piece.reasoning if self.include_reasoning else None
         message = ChatDelta(
@@ -226,20 +270,26 @@ class ChatFormatter(OpenAIFormatter[ChatChunkChoice, ChatChoice]):
             tool_calls=piece.tool_calls or None,
         )
         finish = self._finish_reason(delta.index, delta.finish_reason)
-        choice = ChatChunkChoice(delta.index, message, logprobs, finish, delta.stop_reason)
+        if ids is not None:
+            choice: ChatChunkChoice = ChatChunkChoiceWithIds(
+                delta.index, message, logprobs, finish, delta.stop_reason, token_ids=ids
+            )
+        else:
+            choice = ChatChunkChoice(delta.index, message, logprobs, finish, delta.stop_reason)
         return self.event(generation, choice)
 
     def whole_choice(self, choice: Choice) -> ChatChoice:
         logprobs = None
         if self.logprobs is not None:
-            logprobs = _chat_logprobs(
-                self.token_text, choice.token_ids, choice.logprobs, self.logprobs
-            )
+            logprobs = _chat_logprobs(self.lookup, choice.token_ids, choice.logprobs, self.logprobs)
         result = self.processors[choice.index].whole(choice.text)
         reasoning = result.reasoning if self.include_reasoning else None
+        content = result.content
+        if self.echo:
+            content = self.echo + (content or "")
         message = ChatMessageOut(
             role="assistant",
-            content=result.content,
+            content=content,
             tool_calls=result.tool_calls,
             reasoning_content=reasoning,
             reasoning=reasoning,
@@ -250,4 +300,5 @@ class ChatFormatter(OpenAIFormatter[ChatChunkChoice, ChatChoice]):
             logprobs=logprobs,
             finish_reason=self._finish_reason(choice.index, choice.finish_reason),
             stop_reason=choice.stop_reason,
+            token_ids=choice.token_ids if self.return_token_ids else None,
         )

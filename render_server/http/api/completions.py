@@ -9,17 +9,18 @@ from render_server.generation.lifecycle import Choice, ChoiceDelta, Generation
 from render_server.generation.structured import resolve_constraint
 from render_server.http.api.deps import RenderState, StateDep
 from render_server.http.endpoint import admit, constraint_validator, new_generation, respond
-from render_server.http.formatter import OpenAIFormatter
+from render_server.http.formatter import OpenAIFormatter, TokenLookup
 from render_server.http.serving import GENERATION_ERRORS, new_request_id
 from render_server.schemas.errors import ApiError
 from render_server.schemas.generation import CompletionRequest
 from render_server.schemas.responses import (
+    CompletionBodyChoice,
     CompletionChoice,
+    CompletionChoiceWithIds,
     CompletionLogprobs,
     TextCompletion,
     Usage,
 )
-from render_server.templating.token_text import TokenText
 from shared.protocol import TokenLogprobs
 
 router = APIRouter(tags=["generation"])
@@ -44,31 +45,35 @@ async def _prompts(state: RenderState, body: CompletionRequest) -> list[list[int
 
 
 def _logprobs(
-    token_text: TokenText,
+    lookup: TokenLookup,
+    spell: TokenLookup | None,
     token_ids: list[int],
     entries: list[TokenLogprobs] | None,
     top: int,
     offset: int,
     prompt_ids: list[int] | None = None,
 ) -> CompletionLogprobs:
+    """Legacy logprobs; offsets count the text, tokens are spelled by `spell` when given
+    (`return_tokens_as_token_ids`), else as their text."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
     for token_id in prompt_ids or []:  # echoed prompt tokens carry no logprobs
-        text, _ = token_text.lookup(token_id)
-        tokens.append(text)
+        text, _ = lookup(token_id)
+        tokens.append(text if spell is None else spell(token_id)[0])
         token_logprobs.append(None)
         top_logprobs.append(None)
         text_offset.append(offset)
         offset += len(text)
+    name = lookup if spell is None else spell
     for token_id, entry in zip(token_ids, entries or [], strict=False):
-        text, _ = token_text.lookup(token_id)
-        tokens.append(text)
+        text, _ = lookup(token_id)
+        tokens.append(text if spell is None else spell(token_id)[0])
         token_logprobs.append(entry.logprob)
         top_logprobs.append(
             {
-                token_text.lookup(alt)[0]: lp
+                name(alt)[0]: lp
                 for alt, lp in zip(entry.top_token_ids[:top], entry.top_logprobs, strict=False)
             }
         )
@@ -86,7 +91,7 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
         state,
         pool,
         body,
-        new_request_id("cmpl"),
+        new_request_id("cmpl", body.request_id),
         await _prompts(state, body),
         prompt_param="prompt",
         constraint=constraint,
@@ -95,31 +100,46 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
     return await respond(request, generation, formatter, stream=body.stream)
 
 
-class CompletionFormatter(OpenAIFormatter[CompletionChoice, CompletionChoice]):
+class CompletionFormatter(OpenAIFormatter[CompletionChoice, CompletionBodyChoice]):
     """OpenAI text completions: `text_completion` events, or one `text_completion` body.
 
-    Choice `i` of prompt `p` is index `p * n + i`; with `echo`, a choice's first text
-    starts with its prompt.
+    Choice `i` of prompt `p` is index `p * n + i`; a choice's first chunk starts with its
+    prompt under `echo`, and carries the prompt's ids under `return_token_ids` (as vLLM:
+    on the choice, since each prompt has its own).
     """
 
     def __init__(self, state: RenderState, body: CompletionRequest) -> None:
-        super().__init__(state.model_id, body.stream_options)
+        super().__init__(state, body)
         self.tokenizer = state.tokenizer
-        self.token_text = state.token_text
+        self.spell = self.lookup if self.tokens_as_ids else None
         self.echo = body.echo
         self.logprobs = body.logprobs
         self._offsets: dict[int, int] = {}  # streamed text so far per choice, for text_offset
-        self._echoed: set[int] = set()
+        self._started: set[int] = set()  # choices whose first chunk went out
 
     def chunk(
         self, generation: Generation, choices: list[CompletionChoice], usage: Usage | None = None
     ) -> TextCompletion:
-        return TextCompletion(generation.request_id, self.created, self.model, choices, usage=usage)
+        return TextCompletion(
+            generation.request_id,
+            self.created,
+            self.model,
+            choices,
+            usage=usage,
+            system_fingerprint=self.system_fingerprint,
+        )
 
     def whole(
-        self, generation: Generation, choices: list[CompletionChoice], usage: Usage
+        self, generation: Generation, choices: list[CompletionBodyChoice], usage: Usage
     ) -> TextCompletion:
-        return self.chunk(generation, choices, usage)
+        return TextCompletion(
+            generation.request_id,
+            self.created,
+            self.model,
+            choices,
+            usage=usage,
+            system_fingerprint=self.system_fingerprint,
+        )
 
     def _prompt_text(self, choice: Choice) -> str:
         return self.tokenizer.decode(choice.prompt.prompt_token_ids, skip_special_tokens=False)
@@ -127,38 +147,61 @@ class CompletionFormatter(OpenAIFormatter[CompletionChoice, CompletionChoice]):
     def delta_events(self, generation: Generation, delta: ChoiceDelta) -> bytes | None:
         index = delta.index
         text = delta.text
-        echo_ids = None
-        if self.echo and index not in self._echoed:
-            self._echoed.add(index)
+        echo_ids = prompt_ids = None
+        if (self.echo or self.return_token_ids) and index not in self._started:
+            self._started.add(index)
             choice = generation.choices[index]
-            echo_ids = choice.prompt.prompt_token_ids
-            text = self._prompt_text(choice) + text
-        if not text and delta.finish_reason is None and self.logprobs is None:
+            prompt_ids = choice.prompt.prompt_token_ids
+            if self.echo:
+                echo_ids = prompt_ids
+                text = self._prompt_text(choice) + text
+        ids = delta.token_ids if self.return_token_ids else None
+        if not text and delta.finish_reason is None and self.logprobs is None and not ids:
             return None
         logprobs = None
         if self.logprobs is not None:
             offset = self._offsets.get(index, 0)
             logprobs = _logprobs(
-                self.token_text, delta.token_ids, delta.logprobs, self.logprobs, offset, echo_ids
+                self.text_of,
+                self.spell,
+                delta.token_ids,
+                delta.logprobs,
+                self.logprobs,
+                offset,
+                echo_ids,
             )
             self._offsets[index] = offset + len(text)
+        finish, stop = delta.finish_reason, delta.stop_reason
+        if ids is None:
+            return self.event(generation, CompletionChoice(index, text, logprobs, finish, stop))
         return self.event(
             generation,
-            CompletionChoice(index, text, logprobs, delta.finish_reason, delta.stop_reason),
+            CompletionChoiceWithIds(
+                index, text, logprobs, finish, stop, token_ids=ids, prompt_token_ids=prompt_ids
+            ),
         )
 
-    def whole_choice(self, choice: Choice) -> CompletionChoice:
+    def whole_choice(self, choice: Choice) -> CompletionBodyChoice:
+        prompt_ids = choice.prompt.prompt_token_ids
         prompt_text = self._prompt_text(choice) if self.echo else ""
         logprobs = None
         if self.logprobs is not None:
-            echo_ids = choice.prompt.prompt_token_ids if self.echo else None
             logprobs = _logprobs(
-                self.token_text, choice.token_ids, choice.logprobs, self.logprobs, 0, echo_ids
+                self.text_of,
+                self.spell,
+                choice.token_ids,
+                choice.logprobs,
+                self.logprobs,
+                0,
+                prompt_ids if self.echo else None,
             )
-        return CompletionChoice(
+        return CompletionBodyChoice(
             index=choice.index,
             text=prompt_text + choice.text,
             logprobs=logprobs,
             finish_reason=choice.finish_reason,
             stop_reason=choice.stop_reason,
+            token_ids=choice.token_ids if self.return_token_ids else None,
+            prompt_logprobs=self.prompt_logprobs(choice.prompt),
+            prompt_token_ids=prompt_ids if self.return_token_ids else None,
         )

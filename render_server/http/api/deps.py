@@ -6,7 +6,9 @@ reach it through `StateDep` rather than through globals.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
@@ -53,6 +55,15 @@ class RenderState:
     """Keeps `workers` in step with --worker-dns; None without it."""
     live_generations: set[Generation] = field(default_factory=set)
     """Generations started and not yet closed (a drain that runs out of time stops them)."""
+
+    @cached_property
+    def system_fingerprint(self) -> str:
+        """OpenAI's `system_fingerprint`: changes when the model, its tokenizer, the chat
+        template or duet's build change, and only then (a client can tell whether two
+        answers came from the same configuration)."""
+        parts = [self.root_model, self.tokenizer.digest, self.renderer.chat_template or ""]
+        digest = hashlib.sha256("\0".join([*parts, self.version]).encode()).hexdigest()
+        return f"fp_{digest[:10]}"
 
     @property
     def max_model_len(self) -> int:

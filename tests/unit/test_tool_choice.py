@@ -69,6 +69,20 @@ def test_the_built_in_model_gets_chatml_tools_and_hermes(smollm2_tokenizer: Toke
 
 
 @pytest.mark.parametrize(
+    ("template", "replaced"),
+    [
+        ("<|im_start|>{% for m in messages %}{% break %}{% endfor %}", True),
+        ("<|im_start|>{% generation %}{{ messages }}{% endgeneration %}", True),
+        ("<|im_start|>{% if tools %}{{ tools }}{% endif %}", False),
+        ("<|im_start|>{% if %}", False),  # unreadable: left alone
+        ("[INST]{{ messages }}", False),  # not ChatML
+    ],
+)
+def test_which_templates_get_the_built_in_one(template: str, replaced: bool) -> None:
+    assert (tools_template_for(template) == CHATML_TOOLS) is replaced
+
+
+@pytest.mark.parametrize(
     ("template", "parser"),
     [(QWEN, "hermes"), (LLAMA, "llama3_json"), (CHATML_TOOLS, "hermes"), ("{{ x }}", None)],
     ids=["qwen2.5", "llama3.1", "chatml_tools", "no format"],

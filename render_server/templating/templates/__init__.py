@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jinja2
 import jinja2.meta
+
+from render_server.templating.errors import ChatTemplateError
+from render_server.templating.sandbox import SandboxEnvironment
 
 _HERE = Path(__file__).parent
 BUILTIN_TEMPLATES = {path.stem: path for path in _HERE.glob("*.jinja")}
@@ -26,11 +28,12 @@ def read_chat_template(value: Path | str) -> str:
 
 
 def shows_tools(template: str) -> bool:
-    """Whether a chat template reads the `tools` it is given (parsed, never run)."""
+    """Whether a chat template reads the `tools` it is given (parsed as the renderer parses
+    it, never run). One that does not parse counts as showing them: it is left alone."""
     try:
-        ast = jinja2.Environment().parse(template)
-    except jinja2.TemplateSyntaxError:
-        return False
+        ast = SandboxEnvironment(max_value_chars=1).parse_template(template)
+    except ChatTemplateError:
+        return True
     return "tools" in jinja2.meta.find_undeclared_variables(ast)
 
 

@@ -310,7 +310,13 @@ def test_one_render_server_uses_two_workers(
         ({"top_logprobs": 50, "logprobs": True}, "top_logprobs"),
         ({"stop": ["x"] * 100}, "stop"),
         ({"response_format": {"type": "xml"}}, "response_format"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "tool_choice",
+        ),
     ],
 )
 def test_bad_requests_are_400_naming_the_field(client: OpenAI, fields: dict, param: str) -> None:

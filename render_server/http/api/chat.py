@@ -17,7 +17,7 @@ from render_server.http.formatter import OpenAIFormatter, TokenLookup
 from render_server.http.serving import GENERATION_ERRORS, new_request_id, sse_event, usage_of
 from render_server.parsing.chat_output import ChoiceProcessor
 from render_server.parsing.reasoning import get_reasoning_parser
-from render_server.parsing.tool_choice import ToolPlan, plan_tools, tool_setup
+from render_server.parsing.tool_choice import ToolPlan, plan_tools
 from render_server.schemas.errors import ApiError
 from render_server.schemas.generation import ChatCompletionRequest
 from render_server.schemas.responses import (
@@ -127,12 +127,7 @@ async def chat_completions(
     """OpenAI's chat completions, streamed (SSE) or not."""
     pool = admit(state, body)
     settings = state.settings
-    setup = tool_setup(
-        tool_call_parser=settings.tool_call_parser,
-        enable_auto_tool_choice=settings.enable_auto_tool_choice,
-        chat_template=state.renderer.chat_template,
-        builtin_template=state.renderer.tools_template,
-    )
+    setup = state.tool_setup()
     plan = plan_tools(
         [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None,
         body.tool_choice,

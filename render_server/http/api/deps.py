@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated
 from fastapi import Depends, Request
 
 from render_server.http.metrics import RenderMetrics
+from render_server.parsing.tool_choice import ToolSetup, tool_setup
 from render_server.schemas.errors import SERVER_ERROR, ApiError, model_not_found
 from render_server.settings import RenderSettings
 
@@ -91,6 +92,16 @@ class RenderState:
                 headers={"Retry-After": "1"},
             )
         return self.workers
+
+    def tool_setup(self) -> ToolSetup:
+        """What the flags and the templates mean for tools (the same for every request)."""
+        settings = self.settings
+        return tool_setup(
+            tool_call_parser=settings.tool_call_parser,
+            enable_auto_tool_choice=settings.enable_auto_tool_choice,
+            chat_template=self.renderer.chat_template,
+            builtin_template=self.renderer.tools_template,
+        )
 
     def check_model(self, requested: str | None) -> None:
         """Raise the OpenAI 404 unless `requested` is absent or names the served model ("" is

@@ -53,6 +53,8 @@ async def _render_chat(state: RenderState, request: TokenizeChatRequest) -> list
             else None,
             chat_template_kwargs=request.chat_template_kwargs,
             chat_template=request.chat_template,
+            # The same template a chat completion with these tools would render with.
+            with_tools_template=state.tool_setup().uses_builtin_template,
         )
     except RequestTemplateNotAllowed as exc:
         raise ApiError(400, exc.message, param="chat_template") from exc

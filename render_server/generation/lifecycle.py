@@ -98,8 +98,8 @@ class PromptGeneration:
         self.queue_time: float | None = None
         """Seconds the first choice waited in its worker's queue, as the worker reports it."""
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None
-        """Per prompt token (None for the first), when the request asked for them: the
-        first choice's (every choice computes the same)."""
+        """Per prompt token (None for the first), when the request asked for them (every
+        choice computes the same)."""
         self.choices: list[Choice] = []
 
     @property
@@ -119,7 +119,7 @@ class PromptGeneration:
             self.num_cached_tokens = delta.num_cached_tokens
         if self.queue_time is None:
             self.queue_time = delta.queue_time
-        if self.prompt_logprobs is None:
+        if delta.prompt_logprobs is not None:  # only a choice's first delta has them
             self.prompt_logprobs = delta.prompt_logprobs
 
 
@@ -166,16 +166,8 @@ class Choice:
         detokenizer = self.detokenizer
         finish_reason = delta.finish_reason
         ids = delta.new_token_ids
-        # The worker ends "stop" on EOS, a stop token id (both the last id) or a completed
-        # grammar (the last id is output): as in vLLM, a stop token stays in token_ids and
-        # logprobs but not in the text.
-        if (
-            finish_reason == "stop"
-            and ids
-            and not self.spec.include_stop_str_in_output
-            and (delta.stop_token_id is not None or ids[-1] in self.eos_token_ids)
-        ):
-            ids = ids[:-1]
+        if finish_reason is not None and self._ends_with_stop_token(delta):
+            ids = ids[:-1]  # as in vLLM: in token_ids and logprobs, not in the text
         update = detokenizer.add(ids)
         text = update.text
         stop_reason: int | str | None = delta.stop_token_id
@@ -191,6 +183,18 @@ class Choice:
             self.finish_reason, self.stop_reason = finish_reason, stop_reason
         return ChoiceDelta(
             self.index, text, delta.new_token_ids, delta.logprobs, finish_reason, stop_reason
+        )
+
+    def _ends_with_stop_token(self, delta: RequestDelta) -> bool:
+        """Whether the worker ended `delta` on a stop token whose text is left out: it ends
+        "stop" on EOS or a stop_token_ids entry (the last id), or on a completed grammar
+        (the last id is output)."""
+        ids = delta.new_token_ids
+        return (
+            delta.finish_reason == "stop"
+            and bool(ids)
+            and not self.spec.include_stop_str_in_output
+            and (delta.stop_token_id is not None or ids[-1] in self.eos_token_ids)
         )
 
 

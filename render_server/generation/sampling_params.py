@@ -164,10 +164,13 @@ def build_choices(
     except SamplingParamsError as exc:
         raise ApiError(400, exc.message, param=exc.param) from exc
     choices = []
+    # The prompt's logprobs are the same for every choice: only the first scores them (a
+    # request that does skips the prefix cache; the others keep it).
+    rest = msgspec.structs.replace(base, prompt_logprobs=None)
     for index in range(body.n):
-        sampling = base
+        sampling = rest if index else base
         if body.seed is not None and index:
-            sampling = msgspec.structs.replace(base, seed=body.seed + index)
+            sampling = msgspec.structs.replace(sampling, seed=body.seed + index)
         choices.append(
             ChoiceSpec(
                 sampling=sampling,

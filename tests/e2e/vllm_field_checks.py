@@ -147,8 +147,9 @@ def _truncate(walk: Walk) -> None:
 
 
 def _prompt_logprobs(walk: Walk) -> None:
-    reply = complete(walk, {"prompt_logprobs": 2, "max_tokens": 1})
-    choice = reply["choices"][0]
+    reply = complete(walk, {"prompt_logprobs": 2, "max_tokens": 1, "n": 2})
+    choice, other = reply["choices"]
+    assert other["prompt_logprobs"] == choice["prompt_logprobs"]  # one prompt, scored once
     prompt_ids, entries = choice["prompt_token_ids"], choice["prompt_logprobs"]
     assert len(entries) == len(prompt_ids) == reply["usage"]["prompt_tokens"]
     assert entries[0] is None  # nothing precedes the first token

@@ -11,6 +11,7 @@ import pytest
 
 from render_server.generation.sampling_params import (
     bad_words_token_ids,
+    build_choices,
     check_priority,
     reject_unsupported,
     truncate_prompt,
@@ -149,3 +150,11 @@ def test_cache_salts_never_cross_tenants() -> None:
     assert request_cache_salt(_request("per-key", "key-a"), "s") == request_cache_salt(
         _request("per-key", "key-a"), "s"
     )
+
+
+def test_only_the_first_choice_scores_the_prompt() -> None:
+    fields = {"prompt": "x", "n": 3, "prompt_logprobs": 2, "seed": 7}
+    body = CompletionRequest.model_validate(fields)
+    choices = build_choices(body, max_tokens=4, logprobs=None, vocab_size=100, max_n=4)
+    assert [c.sampling.prompt_logprobs for c in choices] == [2, None, None]
+    assert [c.sampling.seed for c in choices] == [7, 8, 9]

@@ -109,11 +109,22 @@ def constraint_from_request(body: SamplingFields) -> tuple[Constraint, str] | No
             found.append((constraint, "response_format"))
     options = body.structured_outputs
     if options is not None:
-        if options.structural_tag is not None:
+        unsupported = [
+            name
+            for name, value in (
+                ("structural_tag", options.structural_tag is not None),
+                ("whitespace_pattern", options.whitespace_pattern is not None),
+                ("disable_any_whitespace", options.disable_any_whitespace),
+                ("disable_fallback", options.disable_fallback),
+                ("disable_additional_properties", options.disable_additional_properties),
+            )
+            if value
+        ]
+        if unsupported:
             raise ApiError(
                 400,
-                "structured_outputs.structural_tag is not supported.",
-                param="structured_outputs",
+                f"structured_outputs.{unsupported[0]} is not supported.",
+                param=f"structured_outputs.{unsupported[0]}",
                 code="unsupported_parameter",
             )
         for key, kind in _STRUCTURED_OUTPUTS_KEYS.items():

@@ -67,6 +67,12 @@ class StructuredOutputsField(BaseModel):
     json_object: bool | None = None
     structural_tag: Any = None
     """Not supported: refused when set."""
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool = False
+    disable_fallback: bool = False
+    disable_additional_properties: bool = False
+    """vLLM's backend options: refused when set to anything but their defaults (the
+    grammar engine has one whitespace rule and no fallback backend to disable)."""
 
 
 class SamplingFields(VllmFields):

@@ -446,7 +446,15 @@ def test_no_constraint_fields_mean_no_constraint() -> None:
         ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
         ({"guided_json": [1]}, "guided_json"),
         ({"guided_regex": "a" * (MAX_CONSTRAINT_CHARS + 1)}, "guided_regex"),
-        ({"structured_outputs": {"structural_tag": {}}}, "structured_outputs"),
+        ({"structured_outputs": {"structural_tag": {}}}, "structured_outputs.structural_tag"),
+        (
+            {"structured_outputs": {"json": {}, "whitespace_pattern": " "}},
+            "structured_outputs.whitespace_pattern",
+        ),
+        (
+            {"structured_outputs": {"json": {}, "disable_fallback": True}},
+            "structured_outputs.disable_fallback",
+        ),
     ],
 )
 def test_bad_constraint_fields_are_400_naming_the_field(fields: dict, param: str) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -248,6 +248,8 @@ class Generation:
         self._deadline: asyncio.TimerHandle | None = None
         self._live = live
         """The generations of this server still open (a drain stops what remains)."""
+        self.close_callbacks: list[Callable[[Generation], None]] = []
+        """Called once, when it closes: a registry of live requests forgets it there."""
 
     async def start(self) -> None:
         """Submit every choice to the workers; the deadline, if any, runs from here."""
@@ -291,17 +293,24 @@ class Generation:
             if choice.stream is not None:
                 choice.stream.stop(error)
 
+    async def abort(self) -> None:
+        """Abort every choice still running on the workers (freeing their KV): each ends
+        with finish_reason "abort", as a client's abort request asks."""
+        for choice in self.choices:
+            if choice.stream is not None:
+                await choice.stream.abort()
+
     async def aclose(self) -> None:
         """Abort every choice still running; record the request's metrics (once)."""
         if self._deadline is not None:
             self._deadline.cancel()
         if self._live is not None:
             self._live.discard(self)
-        for choice in self.choices:
-            if choice.stream is not None:
-                await choice.stream.abort()
+        await self.abort()
         if not self._closed:
             self._closed = True
+            for callback in self.close_callbacks:
+                callback(self)
             if self._recorder is not None:
                 self._recorder.record(self)
 

@@ -24,7 +24,7 @@ from render_server.schemas.errors import SERVER_ERROR
 
 logger = logging.getLogger(__name__)
 
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/inference/v1/generate")
 
 
 class ClientTooSlow(Exception):

@@ -128,20 +128,21 @@ class OpenAIFormatter(ResponseFormatter, Generic[ChunkChoiceT, ChoiceT]):
             # sends -9999.0.
             position = {
                 token_id: PromptLogprob(
-                    max(entry.logprob, _MIN_LOGPROB), entry.rank, decoded(token_id)[0]
+                    max(entry.logprob, MIN_LOGPROB), entry.rank, decoded(token_id)[0]
                 )
             }
             for rank, (alt_id, alt_logprob) in enumerate(
                 zip(entry.top_token_ids, entry.top_logprobs, strict=False), start=1
             ):
                 position[alt_id] = PromptLogprob(
-                    max(alt_logprob, _MIN_LOGPROB), rank, decoded(alt_id)[0]
+                    max(alt_logprob, MIN_LOGPROB), rank, decoded(alt_id)[0]
                 )
             result.append(position)
         return result
 
 
-_MIN_LOGPROB = -9999.0
+MIN_LOGPROB = -9999.0
+"""What a logprob of -inf is sent as (-inf is not JSON), as vLLM sends it."""
 
 
 def token_id_text(token_id: int) -> tuple[str, list[int]]:

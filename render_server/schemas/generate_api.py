@@ -16,7 +16,7 @@ from pydantic_core import PydanticCustomError
 
 from render_server.schemas.body import JsonBody
 from render_server.schemas.generation import MAX_COMPLETION_LOGPROBS, SamplingFields, StreamOptions
-from render_server.schemas.responses import Usage
+from render_server.schemas.responses import PromptLogprobs, Usage
 from render_server.schemas.vllm_fields import MAX_CACHE_SALT_CHARS, MAX_REQUEST_ID_CHARS
 from shared.sampling import INT64_MAX, INT64_MIN, MAX_TOKENS_LIMIT
 
@@ -197,6 +197,8 @@ class GenerateResponse(msgspec.Struct):
     choices: list[GenerateChoice]
     usage: Usage
     prompt_token_ids: list[int] | None = None
+    """With `prompt_logprobs`: the ids they score."""
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class GenerateChunk(msgspec.Struct):

@@ -1,5 +1,12 @@
 """HTTP routers, one module per resource; app.py includes them all."""
 
-from render_server.http.api import admin, chat, completions, models, tokenize
+from render_server.http.api import admin, chat, completions, generate, models, tokenize
 
-ROUTERS = (admin.router, models.router, tokenize.router, chat.router, completions.router)
+ROUTERS = (
+    admin.router,
+    models.router,
+    tokenize.router,
+    chat.router,
+    completions.router,
+    generate.router,
+)

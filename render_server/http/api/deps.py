@@ -56,6 +56,9 @@ class RenderState:
     """Keeps `workers` in step with --worker-dns; None without it."""
     live_generations: set[Generation] = field(default_factory=set)
     """Generations started and not yet closed (a drain that runs out of time stops them)."""
+    generate_requests: dict[str, set[Generation]] = field(default_factory=dict)
+    """Open /inference/v1/generate requests by the client's request_id (ids may repeat),
+    for /inference/v1/abort_requests."""
 
     @cached_property
     def system_fingerprint(self) -> str:

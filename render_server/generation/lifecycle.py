@@ -248,6 +248,7 @@ class Generation:
         self._deadline: asyncio.TimerHandle | None = None
         self._live = live
         """The generations of this server still open (a drain stops what remains)."""
+        self._aborted = False
         self.close_callbacks: list[Callable[[Generation], None]] = []
         """Called once, when it closes: a registry of live requests forgets it there."""
 
@@ -275,6 +276,8 @@ class Generation:
                             constraint=self.constraint,
                         )
                     )
+                    if self._aborted:  # an abort came while the earlier ones were sent
+                        await choice.stream.abort()
         except BaseException:
             await self.aclose()
             raise
@@ -295,7 +298,9 @@ class Generation:
 
     async def abort(self) -> None:
         """Abort every choice still running on the workers (freeing their KV): each ends
-        with finish_reason "abort", as a client's abort request asks."""
+        with finish_reason "abort", as a client's abort request asks. Choices submitted
+        later (the abort came while `start` ran) are aborted as they are."""
+        self._aborted = True
         for choice in self.choices:
             if choice.stream is not None:
                 await choice.stream.abort()

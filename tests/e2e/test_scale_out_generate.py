@@ -5,14 +5,21 @@ same ids it answers whole, frees the worker's KV on an abort, and refuses bad in
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
 
-from shared.protocol import WorkerStats
+from render_server.generation.lifecycle import ChoiceSpec, Generation, PromptSpec
+from render_server.templating.tokenizer import Tokenizer
+from render_server.worker_client.pool import WorkerPool
+from render_server.worker_client.request_stream import RequestStream
+from shared.model_source import resolve_model
+from shared.protocol import Generate, WorkerStats
+from shared.sampling import SamplingParams
 from tests.e2e.conftest import WorkerProcess
 from tests.e2e.test_openai_api import _Heartbeats
 from tests.helpers.waiting import wait_until
@@ -178,3 +185,33 @@ def test_the_api_key_guards_the_inference_routes(secure_server: ServerProcess) -
     )
     assert keyed.status_code == 503  # a --render-only server: past the key, no worker
     assert keyed.json()["error"]["code"] == "render_only"
+
+
+def test_an_abort_while_start_runs_aborts_the_choices_sent_after_it() -> None:
+    """abort_requests may come while `start` is still sending a request's n choices: the
+    ones sent after it must not run on."""
+    aborted: list[str] = []
+
+    class Link:
+        address = "fake"
+
+        def abort(self, request_id: str) -> None:
+            aborted.append(request_id)
+
+    class Pool:
+        async def submit(self, request: Generate) -> RequestStream:
+            await asyncio.sleep(0)  # the abort gets in here
+            return RequestStream(request, Link())
+
+    spec = ChoiceSpec(SamplingParams(max_tokens=4), [], False, True)
+    tokenizer = Tokenizer.from_source(resolve_model(MODEL))
+    generation = Generation(cast(WorkerPool, Pool()), tokenizer, "r", [PromptSpec([1], [spec] * 3)])
+
+    async def scenario() -> None:
+        starting = asyncio.create_task(generation.start())
+        await asyncio.sleep(0)
+        await generation.abort()
+        await starting
+
+    asyncio.run(scenario())
+    assert sorted(aborted) == ["r-0", "r-1", "r-2"]

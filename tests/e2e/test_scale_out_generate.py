@@ -70,6 +70,20 @@ def test_greedy_generate_equals_completions(render: ServerProcess) -> None:
     assert usage["completion_tokens"] == len(choice["token_ids"])
 
 
+def test_stop_strings_apply_as_on_completions(render: ServerProcess) -> None:
+    sampling = {"temperature": 0, "max_tokens": 24, "stop": ["."]}
+    answer = _generate(render, {"token_ids": PROMPT, "sampling_params": sampling}).json()
+    completion = httpx.post(
+        f"{render.base_url}/v1/completions",
+        json={"prompt": PROMPT, **sampling, "return_token_ids": True},
+        timeout=30,
+    ).json()
+    (choice,), expected = answer["choices"], completion["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", ".")
+    assert choice["stop_reason"] == expected["stop_reason"]
+    assert choice["token_ids"] == expected["token_ids"]
+
+
 def test_streamed_token_ids_equal_the_whole_answer(render: ServerProcess) -> None:
     sampling = {"temperature": 0, "max_tokens": 16, "n": 2}
     whole = _generate(render, {"token_ids": PROMPT, "sampling_params": sampling}).json()

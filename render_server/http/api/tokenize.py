@@ -17,8 +17,9 @@ from typing import Annotated, Any
 import msgspec
 from fastapi import APIRouter, Body, Response
 from pydantic import TypeAdapter, ValidationError
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from render_server.http.admission import read_body, replay
 from render_server.http.api.deps import RenderState, StateDep
 from render_server.http.errors import error_response
 from render_server.http.middleware import route_path
@@ -145,12 +146,12 @@ class TokenizeFastPath:
             await self.app(scope, receive, send)
             return
         scope["route"] = self  # the router sets its own route if the request falls through
-        body = await _read_body(receive)
+        body = await read_body(receive)
         if body is None:  # the client went away mid-body: nobody to answer
             return
         request = _parse(body)
         if request is None:
-            await self.app(scope, _replay(body, receive), send)
+            await self.app(scope, replay(body, receive), send)
             return
         try:
             payload = await _answer(self.state, request)
@@ -174,17 +175,6 @@ def _content_type(headers: list[tuple[bytes, bytes]]) -> bytes | None:
     return None
 
 
-async def _read_body(receive: Receive) -> bytes | None:
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            return None
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
 def _parse(body: bytes) -> TokenizeRequest | None:
     """The validated request, or None where FastAPI would answer with an error."""
     try:
@@ -197,20 +187,6 @@ def _parse(body: bytes) -> TokenizeRequest | None:
         return _TOKENIZE_REQUEST.validate_python(data, from_attributes=True)
     except ValidationError:
         return None
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """A `receive` that hands out the body already read, then defers to the real one."""
-    pending = True
-
-    async def replay() -> Message:
-        nonlocal pending
-        if pending:
-            pending = False
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
 
 
 @router.post("/detokenize", responses=_ERRORS)

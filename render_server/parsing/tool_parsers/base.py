@@ -27,7 +27,7 @@ import string
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from render_server.parsing.tool_parsers.json_scan import WHITESPACE, StateEnum
 
@@ -46,6 +46,15 @@ class Status(Enum):
     NEED_MORE = 1  # consumed everything; the call goes on in the next text
     DONE = 2  # the call ended; pos is just past it
     FAILED = 3  # text[pos] cannot continue the call; it was not consumed
+
+
+class CallReader(Protocol):
+    """Reads one call's text as it arrives (`json_call.JsonCallReader`)."""
+
+    def feed(self, text: str, pos: int) -> tuple[int, Status]: ...
+
+    @property
+    def call(self) -> tuple[str, str]: ...
 
 
 @dataclass
@@ -236,6 +245,23 @@ class ToolParser:
         self._ws_hold.clear()
         self._ws_after_call = True
         self._calls.append(ToolCall(self._new_call_id(), name, arguments))
+
+    def _feed_call(
+        self, reader: CallReader, text: str, pos: int, final: bool
+    ) -> tuple[int, Status]:
+        """Feed the call being read. DONE: it is well formed and sent; FAILED: it is not
+        (or the output ended inside it), so its text is content; NEED_MORE (pos -1): wait
+        for more text."""
+        pos, status = reader.feed(text, pos)
+        if status is Status.NEED_MORE:
+            if not final:
+                return -1, status
+            status = Status.FAILED
+        if status is Status.DONE:
+            self._add_call(*reader.call)
+        else:
+            self._fail_attempt(text, pos)
+        return pos, status
 
     def _drop_held_ws(self) -> None:
         """The held whitespace lies inside a call block (before its closing tag): drop it."""

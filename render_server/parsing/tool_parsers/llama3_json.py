@@ -65,16 +65,10 @@ class Llama3JsonToolParser(ToolParser):
 
     def _step_call(self, text: str, pos: int, final: bool) -> int:
         assert self._reader is not None
-        pos, status = self._reader.feed(text, pos)
-        if status is Status.NEED_MORE and not final:
-            return -1
-        if status is Status.DONE:
-            self._add_call(*self._reader.call)
-            self._state = _State.AFTER
-        else:  # not a call, or the output ended inside it
-            self._fail_attempt(text, pos)
-            self._state = _State.PROSE
-        self._reader = None
+        pos, status = self._feed_call(self._reader, text, pos, final)
+        if status is not Status.NEED_MORE:
+            self._state = _State.AFTER if status is Status.DONE else _State.PROSE
+            self._reader = None
         return pos
 
     def _step_after(self, text: str, pos: int, final: bool) -> int:

@@ -34,6 +34,8 @@ from tests.integration.conftest import ServerProcess, start_server, stop_server
 MODEL = "SmolLM2-135M-Instruct"
 REQUEST_TIMEOUT_S = 30.0
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+# What a --render-only server answers with a 503 (it cannot generate).
+WORKER_PATHS = (*GENERATION_PATHS, "/inference/v1/generate")
 MAX_GENERATED = 4
 """Most tokens (per choice) a fuzzed generation request may ask for."""
 
@@ -112,7 +114,7 @@ def _check_stream(response: schemathesis.Response) -> str | None:
 def _problem(response: schemathesis.Response, path: str, render_only: bool) -> str | None:
     status = response.status_code
     content_type = (response.headers.get("content-type") or [""])[0]
-    if status >= 500 and not (status == 503 and render_only and path in GENERATION_PATHS):
+    if status >= 500 and not (status == 503 and render_only and path in WORKER_PATHS):
         return f"{status} from {path}: {response.text[:300]!r}"
     if status >= 400:
         return _check_error_shape(response)

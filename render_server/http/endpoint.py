@@ -61,29 +61,28 @@ def constraint_validator(request: Request, tokenizer: Tokenizer) -> ConstraintVa
     return validator
 
 
-def admit(state: RenderState, body: SamplingFields) -> WorkerPool:
-    """The checks every generating request passes before its prompt is built: supported
-    fields, the served model, a worker to run on."""
+def check_request(state: RenderState, body: SamplingFields) -> None:
+    """The checks of `admit` that need no worker, so a render answers them as a generating
+    request would: supported fields, the served model, a priority the workers honour."""
     reject_unsupported(body)
     state.check_model(body.model)
-    pool = state.require_workers()
-    check_priority(body.priority, pool.model_card)
-    return pool
+    card = state.workers.model_card if state.workers is not None else None
+    check_priority(body.priority, card)
 
 
-def new_generation(
-    state: RenderState,
-    pool: WorkerPool,
-    body: SamplingFields,
-    request_id: str,
-    prompts: list[list[int]],
-    *,
-    prompt_param: str,
-    constraint: Constraint | None,
-) -> Generation:
-    """A request's Generation, every limit checked: each prompt (from the field
-    `prompt_param`) fits the context with room for the requested output (unset: the rest
-    of that prompt's context)."""
+def admit(state: RenderState, body: SamplingFields) -> WorkerPool:
+    """The checks every generating request passes before its prompt is built:
+    `check_request`, then a worker to run on."""
+    check_request(state, body)
+    return state.require_workers()
+
+
+def prompt_specs(
+    state: RenderState, body: SamplingFields, prompts: list[list[int]], *, prompt_param: str
+) -> list[PromptSpec]:
+    """Each prompt with its choices' sampling, every limit checked: each prompt (from the
+    field `prompt_param`) fits the context with room for the requested output (unset: the
+    rest of that prompt's context). A render (http/api/render.py) shows exactly these."""
     max_model_len = state.max_model_len
     requested, param = body.requested_max_tokens()
     logprobs = body.num_logprobs()
@@ -103,6 +102,21 @@ def new_generation(
             bad_words=bad_words,
         )
         specs.append(PromptSpec(prompt_ids, choices))
+    return specs
+
+
+def new_generation(
+    state: RenderState,
+    pool: WorkerPool,
+    body: SamplingFields,
+    request_id: str,
+    prompts: list[list[int]],
+    *,
+    prompt_param: str,
+    constraint: Constraint | None,
+) -> Generation:
+    """A request's Generation over `prompt_specs`."""
+    specs = prompt_specs(state, body, prompts, prompt_param=prompt_param)
     # A client's request_id may repeat one still running, or one whose last tokens are
     # still on their way after an abort: its worker requests get ids of their own.
     worker_request_id = f"{request_id}-{uuid.uuid4().hex[:8]}" if body.request_id else None

@@ -1,6 +1,14 @@
 """HTTP routers, one module per resource; app.py includes them all."""
 
-from render_server.http.api import admin, chat, completions, generate, models, tokenize
+from render_server.http.api import (
+    admin,
+    chat,
+    completions,
+    models,
+    render,
+    server_info,
+    tokenize,
+)
 
 ROUTERS = (
     admin.router,
@@ -8,5 +16,6 @@ ROUTERS = (
     tokenize.router,
     chat.router,
     completions.router,
-    generate.router,
+    render.router,
+    server_info.router,
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import msgspec
 from fastapi import APIRouter, Request
@@ -120,13 +121,22 @@ async def _constraint(
     return constraint
 
 
-@router.post("/v1/chat/completions", responses=GENERATION_ERRORS)
-async def chat_completions(
-    body: ChatCompletionRequest, request: Request, state: StateDep
-) -> Response:
-    """OpenAI's chat completions, streamed (SSE) or not."""
-    pool = admit(state, body)
-    settings = state.settings
+@dataclass(frozen=True)
+class ChatPrompt:
+    """What a chat body becomes before anything runs: shared by /v1/chat/completions and
+    its render (http/api/render.py), so both send a worker the same thing."""
+
+    plan: ToolPlan
+    thinking: bool
+    """The template renders the model's reasoning (chat_template_kwargs.enable_thinking)."""
+    constraint: Constraint | None
+    prompt_ids: list[int]
+
+
+async def prepare_chat(
+    request: Request, state: RenderState, body: ChatCompletionRequest
+) -> ChatPrompt:
+    """The tool plan, the constraint and the rendered prompt of a chat body."""
     setup = state.tool_setup()
     plan = plan_tools(
         [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None,
@@ -138,17 +148,33 @@ async def chat_completions(
     thinking = (body.chat_template_kwargs or {}).get("enable_thinking", True) is not False
     constraint = await _constraint(request, state, body, plan, thinking)
     prompt_ids = await _render(state, body, plan.tools, setup.uses_builtin_template)
+    return ChatPrompt(plan, thinking, constraint, prompt_ids)
+
+
+def chat_request_id(body: ChatCompletionRequest) -> str:
+    """The response id, which a render gives its GenerateRequest too."""
+    return new_request_id("chatcmpl", body.request_id)
+
+
+@router.post("/v1/chat/completions", responses=GENERATION_ERRORS)
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, state: StateDep
+) -> Response:
+    """OpenAI's chat completions, streamed (SSE) or not."""
+    pool = admit(state, body)
+    prompt = await prepare_chat(request, state, body)
     generation = new_generation(
         state,
         pool,
         body,
-        new_request_id("chatcmpl", body.request_id),
-        [prompt_ids],
+        chat_request_id(body),
+        [prompt.prompt_ids],
         prompt_param="messages",
-        constraint=constraint,
+        constraint=prompt.constraint,
     )
+    reasoning_parser = state.settings.reasoning_parser
     processors = [
-        ChoiceProcessor(plan, settings.reasoning_parser, enable_thinking=thinking)
+        ChoiceProcessor(prompt.plan, reasoning_parser, enable_thinking=prompt.thinking)
         for _ in generation.choices
     ]
     formatter = ChatFormatter(state, body, processors)

@@ -21,7 +21,7 @@ from render_server.schemas.responses import (
     TextCompletion,
     Usage,
 )
-from shared.protocol import TokenLogprobs
+from shared.protocol import Constraint, TokenLogprobs
 
 router = APIRouter(tags=["generation"])
 
@@ -82,17 +82,31 @@ def _logprobs(
     return CompletionLogprobs(tokens, token_logprobs, top_logprobs, text_offset)
 
 
+async def prepare_completion(
+    request: Request, state: RenderState, body: CompletionRequest
+) -> tuple[list[list[int]], Constraint | None]:
+    """The prompts and the constraint of a completions body: shared by /v1/completions and
+    its render (http/api/render.py), so both send a worker the same thing."""
+    constraint = await resolve_constraint(constraint_validator(request, state.tokenizer), body)
+    return await _prompts(state, body), constraint
+
+
+def completion_request_id(body: CompletionRequest) -> str:
+    """The response id, which a render gives its GenerateRequest too."""
+    return new_request_id("cmpl", body.request_id)
+
+
 @router.post("/v1/completions", responses=GENERATION_ERRORS)
 async def completions(body: CompletionRequest, request: Request, state: StateDep) -> Response:
     """OpenAI's text completions, streamed (SSE) or not; several prompts allowed."""
     pool = admit(state, body)
-    constraint = await resolve_constraint(constraint_validator(request, state.tokenizer), body)
+    prompts, constraint = await prepare_completion(request, state, body)
     generation = new_generation(
         state,
         pool,
         body,
-        new_request_id("cmpl", body.request_id),
-        await _prompts(state, body),
+        completion_request_id(body),
+        prompts,
         prompt_param="prompt",
         constraint=constraint,
     )

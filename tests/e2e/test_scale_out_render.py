@@ -10,21 +10,14 @@ from typing import Any
 import httpx
 import pytest
 
+from render_server.generation.structured import constraint_from_request
 from render_server.schemas.generate_api import GenerateRequest
+from render_server.schemas.generation import ChatCompletionRequest
 from tests.helpers.processes import ServerProcess, start_server, stop_server
 
 SERVED_NAME = "duet-render-test"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Name a colour."},
@@ -128,12 +121,31 @@ def test_tool_choice_renders_tools_and_their_constraint(
     assert full["token_ids"] == _tokenized(render, {"messages": MESSAGES, "tools": [WEATHER]})
     assert full["token_ids"] != _tokenized(render, {"messages": MESSAGES})
     assert "json" in full["sampling_params"]["structured_outputs"]
+    GenerateRequest.model_validate(full)
 
 
-def test_request_constraint_is_structured_outputs(render_only: ServerProcess) -> None:
-    body = {"messages": MESSAGES, "max_tokens": 4, "structured_outputs": {"choice": ["a", "b"]}}
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        {"structured_outputs": {"choice": ["a", "b"]}},
+        {"structured_outputs": {"regex": "[ab]+"}},
+        {"structured_outputs": {"grammar": 'start: "yes" | "no"'}},
+        {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": CITY}}},
+        {"guided_json": CITY},
+    ],
+)
+def test_request_constraint_is_structured_outputs(
+    render_only: ServerProcess, constraint: dict[str, Any]
+) -> None:
+    body = {"messages": MESSAGES, "max_tokens": 4, **constraint}
     rendered = _rendered(render_only, "/v1/chat/completions/render", body)
-    assert rendered["sampling_params"]["structured_outputs"] == {"choice": ["a", "b"]}
+    # The generate endpoint reads back the very constraint the chat would have run.
+    read_back = constraint_from_request(GenerateRequest.model_validate(rendered).sampling_fields())
+    original = constraint_from_request(ChatCompletionRequest.model_validate(body))
+    assert original is not None
+    assert read_back is not None
+    assert read_back[0] == original[0]
 
 
 def test_completions_render_one_request_per_prompt(
@@ -155,6 +167,8 @@ def test_completions_render_one_request_per_prompt(
         assert all(item["sampling_params"]["max_tokens"] == 3 for item in full)
         assert all(item["sampling_params"]["temperature"] == 0 for item in full)
         assert len({item["request_id"] for item in full}) == len(expected)
+        for item in full:
+            GenerateRequest.model_validate(item)
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ from render_server.http.api import (
     admin,
     chat,
     completions,
+    generate,
     models,
     render,
     server_info,
@@ -16,6 +17,7 @@ ROUTERS = (
     tokenize.router,
     chat.router,
     completions.router,
+    generate.router,
     render.router,
     server_info.router,
 )

@@ -106,7 +106,6 @@ def test_render_settings_fields_are_all_documented_flags_or_marked() -> None:
     internal = {f.name for f in fields if not f.flag.is_flag}
     assert internal == {
         "render_max_output_chars",
-        "timeout_keep_alive_s",
         "metrics_multiprocess_dir",
     }
     dests = {a.dest for a in build_parser()._actions} - {"help"}

@@ -215,3 +215,68 @@ def test_kill_a_render_server_frees_its_requests_on_the_worker(
         probe.close()
         stop_server(render)
         kill_worker(worker)
+
+
+def _stream_generate(server: ServerProcess, token_ids: list[int], started: threading.Event) -> dict:
+    """Stream a greedy /inference/v1/generate of MAX_TOKENS tokens (EOS ignored); set
+    `started` at its first token. Returns the token ids, the finish and in-stream errors."""
+    sampling = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+    body = {"token_ids": token_ids, "sampling_params": sampling, "stream": True}
+    ids: list[int] = []
+    finish, errors = None, []
+    with (
+        httpx.Client(base_url=server.base_url, timeout=120) as http,
+        http.stream("POST", "/inference/v1/generate", json=body) as response,
+    ):
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                errors.append(event["error"])
+                continue
+            for choice in event["choices"]:
+                ids.extend(choice["token_ids"])
+                started.set()
+                finish = choice.get("finish_reason") or finish
+    return {"token_ids": ids, "finish": finish, "errors": errors}
+
+
+def test_kill_a_worker_mid_generate_stream_every_stream_completes_identically(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Token ids in, token ids out, through a failover: the streams a killed worker served
+    move to the other one and end with exactly the greedy sequence."""
+    with two_workers_one_render(tmp_path_factory.mktemp("generate-failover"), 2) as cluster:
+        _, second, render = cluster
+        prompts = [
+            httpx.post(f"{render.base_url}/tokenize", json={"prompt": text}).json()["tokens"]
+            for text in PROMPTS
+        ]
+        sampling = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+        reference = [
+            httpx.post(
+                f"{render.base_url}/inference/v1/generate",
+                json={"token_ids": ids, "sampling_params": sampling},
+                timeout=120,
+            ).json()["choices"][0]["token_ids"]
+            for ids in prompts
+        ]
+        results: dict[int, dict] = {}
+        started = [threading.Event() for _ in prompts]
+
+        def run(index: int) -> None:
+            results[index] = _stream_generate(render, prompts[index], started[index])
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for event in started:
+            assert event.wait(60), "streams did not start"
+        kill_worker(second)
+        for thread in threads:
+            thread.join(120)
+        for index, expected in enumerate(reference):
+            assert results[index]["errors"] == [], results[index]["errors"]
+            assert results[index]["finish"] == "length"
+            assert results[index]["token_ids"] == expected

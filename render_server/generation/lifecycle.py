@@ -146,14 +146,24 @@ class Choice:
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self.stream: RequestStream | None = None
         """Set once submitted."""
+        self._replayed_ids: list[int] = []
+        """The token ids fed by `replay` (a choice with no stream: a derender)."""
         self.logprobs: list[TokenLogprobs] = []
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
 
     @property
     def token_ids(self) -> list[int]:
-        """Every token id generated so far (the stream owns them)."""
-        return self.stream.output_token_ids if self.stream is not None else []
+        """Every token id generated so far (the stream owns them; `replay` when none)."""
+        return self.stream.output_token_ids if self.stream is not None else self._replayed_ids
+
+    def replay(self, delta: RequestDelta) -> ChoiceDelta:
+        """`on_delta` for a choice generated elsewhere (a derender: no stream, no worker):
+        its token ids are kept here."""
+        if self.stream is not None:
+            raise RuntimeError("a submitted choice's deltas come from its stream")
+        self._replayed_ids.extend(delta.new_token_ids)
+        return self.on_delta(delta)
 
     @property
     def text(self) -> str:
@@ -208,7 +218,7 @@ class Generation:
 
     def __init__(
         self,
-        pool: WorkerPool,
+        pool: WorkerPool | None,
         tokenizer: Tokenizer,
         request_id: str,
         prompts: list[PromptSpec],
@@ -223,6 +233,7 @@ class Generation:
         live: set[Generation] | None = None,
     ) -> None:
         self.pool = pool
+        """None for a generation replayed from token ids (`Choice.replay`): never started."""
         self.request_id = request_id
         self.priority = priority
         self.cache_salt = cache_salt
@@ -254,6 +265,9 @@ class Generation:
 
     async def start(self) -> None:
         """Submit every choice to the workers; the deadline, if any, runs from here."""
+        pool = self.pool
+        if pool is None:
+            raise RuntimeError("a replayed generation has no workers to start on")
         if self._live is not None:
             self._live.add(self)
         if self._timeout_s is not None:
@@ -265,7 +279,7 @@ class Generation:
         try:
             for prompt in self.prompts:
                 for number, choice in enumerate(prompt.choices):
-                    choice.stream = await self.pool.submit(
+                    choice.stream = await pool.submit(
                         Generate(
                             request_id=f"{prompt.request_id}-{number}",
                             prompt_token_ids=prompt.prompt_token_ids,

@@ -4,6 +4,7 @@ from render_server.http.api import (
     admin,
     chat,
     completions,
+    derender,
     generate,
     models,
     render,
@@ -19,5 +20,6 @@ ROUTERS = (
     completions.router,
     generate.router,
     render.router,
+    derender.router,
     server_info.router,
 )

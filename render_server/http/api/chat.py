@@ -172,13 +172,21 @@ async def chat_completions(
         prompt_param="messages",
         constraint=prompt.constraint,
     )
+    formatter = chat_formatter(state, body, prompt, len(generation.choices))
+    return await respond(request, generation, formatter, stream=body.stream)
+
+
+def chat_formatter(
+    state: RenderState, body: ChatCompletionRequest, prompt: ChatPrompt, num_choices: int
+) -> ChatFormatter:
+    """The answer's formatter, a ChoiceProcessor per choice: shared by /v1/chat/completions
+    and its derender (http/api/derender.py), so both parse the same text the same way."""
     reasoning_parser = state.settings.reasoning_parser
     processors = [
         ChoiceProcessor(prompt.plan, reasoning_parser, enable_thinking=prompt.thinking)
-        for _ in generation.choices
+        for _ in range(num_choices)
     ]
-    formatter = ChatFormatter(state, body, processors)
-    return await respond(request, generation, formatter, stream=body.stream)
+    return ChatFormatter(state, body, processors)
 
 
 def _echoed_text(body: ChatCompletionRequest) -> str:

@@ -1,0 +1,194 @@
+"""POST /v1/chat/completions/derender and POST /v1/completions/derender (vLLM's derender
+API): the token ids /inference/v1/generate produced, as the answer the generating
+endpoint gives for them.
+
+Nothing is copied from the generating path: the request's prompt and choices come from
+the same prepare step and `prompt_specs`, a `Generation` with no workers is fed each
+generated choice as a worker delta (`Choice.replay`: detokenizer, stop strings), and the
+endpoint's own formatter (tool calls, reasoning, logprobs, usage) writes the body.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from render_server.generation.lifecycle import Choice, Generation, PromptGeneration
+from render_server.http.api.chat import chat_formatter, chat_request_id, prepare_chat
+from render_server.http.api.completions import (
+    CompletionFormatter,
+    completion_request_id,
+    prepare_completion,
+)
+from render_server.http.api.deps import RenderState, StateDep
+from render_server.http.endpoint import check_request, prompt_specs
+from render_server.http.serving import json_response
+from render_server.schemas.derender_api import (
+    ChatDerenderRequest,
+    CompletionDerenderRequest,
+    GeneratedChoice,
+    GeneratedResponse,
+)
+from render_server.schemas.errors import ApiError, ErrorResponse
+from render_server.schemas.generation import ChatCompletionRequest, CompletionRequest
+from shared.protocol import RequestDelta, TokenLogprobs
+
+router = APIRouter(tags=["render"])
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "Invalid request"},
+    404: {"model": ErrorResponse, "description": "Unknown model"},
+}
+
+_PLAIN_CHAT = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": ""}]})
+"""The chat body of a derender that names none: no stops, tools or options."""
+_PLAIN_COMPLETION = CompletionRequest.model_validate({"prompt": ""})
+
+
+@router.post(
+    "/v1/chat/completions/derender",
+    responses=_ERRORS,
+)
+async def derender_chat(body: ChatDerenderRequest, request: Request, state: StateDep) -> Response:
+    """The chat completion /v1/chat/completions answers for these generated tokens."""
+    state.check_model(body.model)
+    chat = body.chat_request or _PLAIN_CHAT
+    check_request(state, chat)
+    prompt = await prepare_chat(request, state, chat)
+    response = body.generate_response
+    prompt_ids = body.prompt_token_ids or response.prompt_token_ids
+    if prompt_ids is None:
+        if body.chat_request is None:
+            raise ApiError(
+                400,
+                "prompt_token_ids: needed when chat_request is unset.",
+                param="prompt_token_ids",
+            )
+        prompt_ids = prompt.prompt_ids
+    if body.prompt_tokens is not None and body.prompt_tokens != len(prompt_ids):
+        raise ApiError(
+            400,
+            f"prompt_tokens: {body.prompt_tokens}, but the prompt has {len(prompt_ids)} tokens.",
+            param="prompt_tokens",
+        )
+    _check_vocabulary(state, prompt_ids, "prompt_token_ids")
+    specs = prompt_specs(state, chat, [prompt_ids], prompt_param="messages")
+    generation = Generation(None, state.tokenizer, chat_request_id(chat), specs)
+    _replay(state, generation.prompts[0], response, "generate_response")
+    formatter = chat_formatter(state, chat, prompt, len(generation.choices))
+    return json_response(formatter.body(generation))
+
+
+@router.post(
+    "/v1/completions/derender",
+    responses=_ERRORS,
+)
+async def derender_completion(
+    body: CompletionDerenderRequest, request: Request, state: StateDep
+) -> Response:
+    """The text completion /v1/completions answers for these generated tokens, one
+    generate response per prompt."""
+    state.check_model(body.model)
+    completion = body.completion_request or _PLAIN_COMPLETION
+    check_request(state, completion)
+    responses = body.generate_responses
+    prompts = body.prompt_token_ids
+    if prompts is None:
+        given = [response.prompt_token_ids for response in responses]
+        if all(ids is not None for ids in given):
+            prompts = [ids for ids in given if ids is not None]
+        elif body.completion_request is not None:
+            prompts, _ = await prepare_completion(request, state, completion)
+        else:
+            raise ApiError(
+                400,
+                "prompt_token_ids: needed when completion_request is unset.",
+                param="prompt_token_ids",
+            )
+    if len(prompts) != len(responses):
+        raise ApiError(
+            400,
+            f"generate_responses: {len(responses)} for {len(prompts)} prompts.",
+            param="generate_responses",
+        )
+    for number, ids in enumerate(prompts):
+        _check_vocabulary(state, ids, f"prompt_token_ids.{number}")
+    specs = prompt_specs(state, completion, prompts, prompt_param="prompt")
+    generation = Generation(None, state.tokenizer, completion_request_id(completion), specs)
+    for number, (prompt, response) in enumerate(zip(generation.prompts, responses, strict=True)):
+        _replay(state, prompt, response, f"generate_responses.{number}")
+    return json_response(CompletionFormatter(state, completion).body(generation))
+
+
+def _replay(
+    state: RenderState, prompt: PromptGeneration, response: GeneratedResponse, param: str
+) -> None:
+    """Feed each generated choice to its `Choice` as the one worker delta that ended it."""
+    choices = prompt.choices
+    indexes = sorted(choice.index for choice in response.choices)
+    if indexes != list(range(len(choices))):
+        raise ApiError(
+            400,
+            f"{param}.choices: indexes {indexes}, but the request has n={len(choices)}.",
+            param=f"{param}.choices",
+        )
+    cached = 0
+    if response.usage is not None and response.usage.prompt_tokens_details is not None:
+        cached = response.usage.prompt_tokens_details.cached_tokens
+    for generated in response.choices:
+        at = f"{param}.choices.{generated.index}"
+        _check_vocabulary(state, generated.token_ids, f"{at}.token_ids")
+        replay_choice(choices[generated.index], generated, cached, state, at)
+
+
+def replay_choice(
+    choice: Choice, generated: GeneratedChoice, cached: int, state: RenderState, param: str
+) -> None:
+    """One generated choice (or a chunk of it) fed to `choice` as a worker delta."""
+    stop_token_id = generated.stop_reason if isinstance(generated.stop_reason, int) else None
+    logprobs = None
+    if generated.logprobs is not None:
+        content = generated.logprobs.content
+        if len(content) != len(generated.token_ids):
+            raise ApiError(
+                400,
+                f"{param}.logprobs: {len(content)} entries for {len(generated.token_ids)} tokens.",
+                param=f"{param}.logprobs",
+            )
+        logprobs = []
+        for position, entry in enumerate(content):
+            top_ids = [alt.token_id for alt in entry.top_logprobs]
+            _check_vocabulary(state, [entry.token_id, *top_ids], f"{param}.logprobs.{position}")
+            logprobs.append(
+                TokenLogprobs(
+                    entry.logprob,
+                    entry.rank or 0,
+                    top_ids,
+                    [alt.logprob for alt in entry.top_logprobs],
+                )
+            )
+    choice.replay(
+        RequestDelta(
+            request_id=choice.prompt.request_id,
+            new_token_ids=generated.token_ids,
+            finish_reason=generated.finish_reason,
+            stop_token_id=stop_token_id,
+            num_prompt_tokens=len(choice.prompt.prompt_token_ids),
+            num_cached_tokens=cached,
+            logprobs=logprobs,
+        )
+    )
+
+
+def _check_vocabulary(state: RenderState, token_ids: list[int], param: str) -> None:
+    # The schema refused negative ids; the vocabulary's size is the server's to know.
+    vocab_size = state.tokenizer.vocab_size
+    for position, token_id in enumerate(token_ids):
+        if token_id >= vocab_size:
+            raise ApiError(
+                400,
+                f"{param}: token id {token_id} is outside the vocabulary [0, {vocab_size}).",
+                param=f"{param}.{position}",
+            )

@@ -1,0 +1,118 @@
+"""vLLM's derender API: the token ids a /inference/v1/generate call produced, turned back
+into the OpenAI answer the generating endpoint would have given for them.
+
+The generated output is read in /inference/v1/generate's own shapes (schemas/generate_api.py),
+bounded as every body is; token ids are checked against the vocabulary by the route, which
+knows it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from render_server.schemas.body import JsonBody
+from render_server.schemas.generation import (
+    MAX_COMPLETION_LOGPROBS,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from shared.sampling import MAX_TOKENS_LIMIT
+
+MAX_DERENDER_CHOICES = 128
+"""Choices one generate response may carry (as `n` is bounded for generating)."""
+MAX_DERENDER_PROMPTS = 128
+"""Generate responses one completions derender may carry, one per prompt."""
+
+TokenIdIn = Annotated[int, Field(ge=0)]
+TokenIds = Annotated[list[TokenIdIn], Field(max_length=MAX_TOKENS_LIMIT)]
+
+
+class GeneratedTopLogprob(BaseModel):
+    """One alternative at a position, as /inference/v1/generate spells it."""
+
+    token_id: TokenIdIn
+    logprob: float
+    rank: int | None = None
+
+
+class GeneratedTokenLogprob(BaseModel):
+    """One generated token's logprob, rank and top alternatives."""
+
+    token_id: TokenIdIn
+    logprob: float
+    rank: int | None = None
+    top_logprobs: list[GeneratedTopLogprob] = Field(
+        default_factory=list, max_length=MAX_COMPLETION_LOGPROBS
+    )
+
+
+class GeneratedLogprobs(BaseModel):
+    content: list[GeneratedTokenLogprob] = Field(max_length=MAX_TOKENS_LIMIT)
+
+
+class GeneratedChoice(BaseModel):
+    """One choice of a generate response (or its part in a streamed chunk)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    index: int = Field(ge=0, lt=MAX_DERENDER_CHOICES)
+    token_ids: TokenIds
+    finish_reason: Literal["stop", "length", "abort", "error"] | None = None
+    stop_reason: int | str | None = None
+    """A stop token id, or the stop string that ended the choice."""
+    logprobs: GeneratedLogprobs | None = None
+
+
+class GeneratedCachedTokens(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    cached_tokens: int = Field(default=0, ge=0)
+
+
+class GeneratedUsage(BaseModel):
+    """What a derender reads of the generate response's usage: the prefix-cache hits."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    prompt_tokens_details: GeneratedCachedTokens | None = None
+
+
+class GeneratedResponse(BaseModel):
+    """A non-streamed /inference/v1/generate response (its id, model and times are not
+    read: the derendered answer has its own)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    choices: list[GeneratedChoice] = Field(min_length=1, max_length=MAX_DERENDER_CHOICES)
+    usage: GeneratedUsage | None = None
+    prompt_token_ids: TokenIds | None = None
+
+
+class ChatDerenderRequest(JsonBody):
+    """POST /v1/chat/completions/derender."""
+
+    generate_response: GeneratedResponse
+    prompt_tokens: int | None = Field(default=None, ge=0)
+    """The prompt's length, checked against the prompt's token ids when both are known."""
+    prompt_token_ids: TokenIds | None = None
+    """The prompt that was generated from; unset: the generate response's, else
+    `chat_request` rendered again."""
+    chat_request: ChatCompletionRequest | None = None
+    """The chat body that was rendered: its stop strings, tools, reasoning and logprobs
+    options shape the answer. Unset: a plain answer (prompt_token_ids then needed)."""
+    model: str | None = None
+
+
+class CompletionDerenderRequest(JsonBody):
+    """POST /v1/completions/derender: one generate response per prompt, in order."""
+
+    generate_responses: list[GeneratedResponse] = Field(
+        min_length=1, max_length=MAX_DERENDER_PROMPTS
+    )
+    prompt_token_ids: list[TokenIds] | None = Field(default=None, max_length=MAX_DERENDER_PROMPTS)
+    """Each prompt; unset: each generate response's, else `completion_request`'s prompts."""
+    completion_request: CompletionRequest | None = None
+    """The completions body that was rendered (stop strings, echo, logprobs)."""
+    model: str | None = None

@@ -13,6 +13,7 @@ and the two figures of the `serve` section of bench/RESULTS.md:
 
     python bench/serve.py --figure frontend-tax       # HTTP tok/s / offline Engine tok/s
     python bench/serve.py --figure frontend-capacity  # one render-serve, synthetic worker
+    python bench/serve.py --figure token-path         # chat text vs /inference/v1/generate
 
 Timing: TTFT is the arrival of the first chunk carrying generated text; ITL is every gap
 between consecutive such chunks (a chunk holding several tokens counts once, as in
@@ -35,6 +36,8 @@ from serve_figures import (
     frontend_capacity,
     frontend_tax,
     tax_markdown,
+    token_path,
+    token_path_markdown,
     write_results_section,
 )
 from serve_load import open_loop, parse_goodput, run_coroutine, summarize
@@ -113,7 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter
     )
     add = parser.add_argument
-    add("--figure", choices=["frontend-tax", "frontend-capacity"], help="a RESULTS.md figure")
+    add(
+        "--figure",
+        choices=["frontend-tax", "frontend-capacity", "token-path"],
+        help="a RESULTS.md figure",
+    )
     add("--base-url", default="http://127.0.0.1:8000", help="OpenAI-compatible server")
     add("--launch", choices=["real", "synthetic"], help="start a worker and render-serve")
     add("--worker-arg", action="append", default=[], help="extra flag for a launched worker")
@@ -149,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
 _DEFAULTS = {
     "frontend-tax": (64, 100, 48, 1 / 3),
     "frontend-capacity": (1024, 128, 256, 0.5),
+    "token-path": (48, 0, 48, 1 / 3),
     None: (200, 256, 64, 0.0),
 }
 
@@ -165,8 +173,13 @@ def main() -> None:
         run_sweep(args)
         return
     name = args.figure.replace("-", "_")
-    result = frontend_tax(args) if name == "frontend_tax" else frontend_capacity(args)
-    markdown = tax_markdown(result) if name == "frontend_tax" else capacity_markdown(result)
+    figure, markdown_of = {
+        "frontend_tax": (frontend_tax, tax_markdown),
+        "frontend_capacity": (frontend_capacity, capacity_markdown),
+        "token_path": (token_path, token_path_markdown),
+    }[name]
+    result = figure(args)
+    markdown = markdown_of(result)
     print(markdown)
     save_json(RESULTS_DIR / f"serve_{name}.json", result)
     if not args.no_write:

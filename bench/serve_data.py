@@ -52,6 +52,8 @@ class BenchRequest:
     """max_tokens, sent with ignore_eos so the server generates exactly this many."""
     prompt_token_ids: list[int] | None = None
     messages: list[dict[str, str]] | None = None
+    generate_token_ids: list[int] | None = None
+    """The rendered prompt, sent as token ids to /inference/v1/generate (the token path)."""
 
     @property
     def is_chat(self) -> bool:

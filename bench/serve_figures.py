@@ -1,6 +1,7 @@
-"""The two figures of the `serve` section of bench/RESULTS.md: the frontend tax (HTTP
-through render-serve vs the offline engine) and the frontend capacity (one render-serve
-process against a synthetic worker)."""
+"""The figures of the `serve` section of bench/RESULTS.md: the frontend tax (HTTP through
+render-serve vs the offline engine), the frontend capacity (one render-serve process
+against a synthetic worker) and the token path (chat text in and out vs the same prompts
+as token ids through /inference/v1/generate)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ import argparse
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
+import httpx
 import numpy as np
 import psutil
 from results_md import command_line, write_section
-from serve_data import BenchRequest, random_requests
+from serve_data import BenchRequest, chat_requests, random_requests
 from serve_load import (
     busy_seconds,
     closed_loop,
@@ -291,10 +293,99 @@ def capacity_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+# ---- figure 3: the token path ----------------------------------------------------------
+
+
+def _rendered(base_url: str, model: str, request: BenchRequest) -> BenchRequest:
+    """The request with its prompt as /v1/chat/completions/render gives it: token ids."""
+    body = {"model": model, "messages": request.messages, "max_tokens": request.output_len}
+    response = httpx.post(f"{base_url}/v1/chat/completions/render", json=body, timeout=60)
+    response.raise_for_status()
+    return replace(request, generate_token_ids=response.json()["token_ids"])
+
+
+def token_path(args: argparse.Namespace) -> dict:
+    """Chat over /v1/chat/completions (template, tokenizing, detokenizing, chat chunks)
+    against the same prompts as token ids over /inference/v1/generate, rendered once
+    beforehand; passes alternate (chat first, then tokens, then the other way round) at the
+    same concurrency, so each ratio compares neighbours."""
+    requests = chat_requests(
+        args.num_prompts, args.output_len, range_ratio=args.range_ratio, seed=args.seed
+    )
+    concurrency = args.tax_concurrency
+    worker_args = ["--max-num-seqs", str(concurrency)]
+    passes: list[dict] = []
+    ratios: list[float] = []
+    with launch("real", worker_args=worker_args, torch_threads=args.torch_threads) as launched:
+        model = served_model(launched.base_url)
+        tokens = [_rendered(launched.base_url, model, request) for request in requests]
+        run_coroutine(open_loop(launched.base_url, model, tokens[:4], math.inf, None))
+        for round_number in range(args.rounds):
+            order = [("chat", requests), ("tokens", tokens)]
+            pair = {}
+            for name, workload in order if round_number % 2 == 0 else order[::-1]:
+                phase, summary = _http_phase(launched, model, workload, concurrency)
+                pair[name] = phase
+                passes.append({**asdict(phase), "path": name, "summary": summary})
+                print(f"{name}: {phase.tok_s:,.1f} tok/s", flush=True)
+            ratios.append(pair["chat"].tok_s / pair["tokens"].tok_s)
+    return {
+        "command": command_line(),
+        "machine": machine_line(),
+        "num_prompts": args.num_prompts,
+        "output_len": args.output_len,
+        "concurrency": concurrency,
+        "passes": passes,
+        "ratios": ratios,
+        "ratio": float(np.median(ratios)),
+    }
+
+
+def token_path_markdown(result: dict) -> str:
+    lines = [
+        "### The token path (chat text vs token ids through /inference/v1/generate)",
+        "",
+        f"Command: `{result['command']}` — {result['machine']}. {result['num_prompts']} "
+        f"made-up chats, about {result['output_len']} output tokens each (`ignore_eos`, "
+        f"greedy), {result['concurrency']} at a time, one real CPU `gpu-worker` behind one "
+        "`render-serve`: the chats over `/v1/chat/completions`, and the same prompts, "
+        "rendered once by `/v1/chat/completions/render`, as token ids over "
+        "`/inference/v1/generate`. Passes alternate; each ratio is chat tok/s over the "
+        "neighbouring token-path pass. CPU columns: CPU seconds per 1,000 output tokens.",
+        "",
+        "| pass | output tok/s | TTFT p50 ms | render-serve CPU s | worker CPU s |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for phase in result["passes"]:
+        cpu = phase["cpu_s_per_1k_tokens"]
+        lines.append(
+            f"| {phase['path']} | {fmt(phase['tok_s'])} | {fmt(phase['summary']['p50_ttft_ms'])} "
+            f"| {fmt(cpu.get('render-serve'), 2)} | {fmt(cpu.get('worker'), 2)} |"
+        )
+    chat = [p for p in result["passes"] if p["path"] == "chat"]
+    token = [p for p in result["passes"] if p["path"] == "tokens"]
+    render_chat = np.mean([p["cpu_s_per_1k_tokens"]["render-serve"] for p in chat])
+    render_token = np.mean([p["cpu_s_per_1k_tokens"]["render-serve"] for p in token])
+    lines += [
+        "",
+        f"**Ratio chat / token path (median): {result['ratio']:.2f}** "
+        f"({', '.join(f'{r:.2f}' for r in result['ratios'])}). render-serve spends "
+        f"{render_chat / render_token:.2f}x the CPU per token on the text path. With a "
+        "CPU worker the engine is the bottleneck, so the ratio is what a client sees end "
+        "to end; the render-serve CPU column is the text path's own cost.",
+    ]
+    return "\n".join(lines)
+
+
 def write_results_section() -> None:
     """The `serve` section of RESULTS.md, from whichever figures have been run."""
     parts = ["## Serving (bench/serve.py)"]
-    for name, render in (("frontend_tax", tax_markdown), ("frontend_capacity", capacity_markdown)):
+    figures = (
+        ("frontend_tax", tax_markdown),
+        ("frontend_capacity", capacity_markdown),
+        ("token_path", token_path_markdown),
+    )
+    for name, render in figures:
         path = RESULTS_DIR / f"serve_{name}.json"
         if path.exists():
             parts.append(render(json.loads(path.read_text())))

@@ -41,6 +41,8 @@ class _Delta(msgspec.Struct):
 class _Choice(msgspec.Struct):
     text: str | None = None
     delta: _Delta | None = None
+    token_ids: list[int] | None = None
+    """/inference/v1/generate's output: ids, no text."""
 
 
 class _Usage(msgspec.Struct):
@@ -92,6 +94,13 @@ def request_body(model: str, request: BenchRequest) -> tuple[str, dict]:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if request.generate_token_ids is not None:
+        sampling = {key: body.pop(key) for key in ("max_tokens", "ignore_eos", "temperature")}
+        body.pop("model")
+        return "/inference/v1/generate", body | {
+            "token_ids": request.generate_token_ids,
+            "sampling_params": sampling,
+        }
     if request.is_chat:
         return "/v1/chat/completions", body | {"messages": request.messages}
     return "/v1/completions", body | {"prompt": request.prompt_token_ids}
@@ -134,7 +143,7 @@ def _read_chunk(result: RequestResult, chunk: _Chunk, now: float) -> None:
         result.output_tokens = chunk.usage.completion_tokens
     for choice in chunk.choices:
         text = choice.text if choice.delta is None else choice.delta.content
-        if text:
+        if text or choice.token_ids:
             result.chunk_times.append(now)
             return
 

@@ -8,8 +8,9 @@ knows it.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from render_server.schemas.body import JsonBody
@@ -18,6 +19,7 @@ from render_server.schemas.generation import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from render_server.schemas.vllm_fields import MAX_REQUEST_ID_CHARS
 from shared.sampling import MAX_TOKENS_LIMIT
 
 MAX_DERENDER_CHOICES = 128
@@ -90,10 +92,58 @@ class GeneratedResponse(BaseModel):
     prompt_token_ids: TokenIds | None = None
 
 
-class ChatDerenderRequest(JsonBody):
-    """POST /v1/chat/completions/derender."""
+class GeneratedChunk(BaseModel):
+    """One event of a streamed /inference/v1/generate response."""
 
-    generate_response: GeneratedResponse
+    model_config = ConfigDict(extra="ignore")
+
+    choices: list[GeneratedChoice] = Field(max_length=MAX_DERENDER_CHOICES)
+    usage: GeneratedUsage | None = None
+
+
+class ChoiceState(BaseModel):
+    """One choice of a streamed derender so far: what the worker generated (as its
+    deltas said it) and how much text that released, which a replay must find again."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    token_ids: TokenIds = Field(default_factory=list)
+    finish_reason: Literal["stop", "length", "abort", "error"] | None = None
+    stop_token_id: TokenIdIn | None = None
+    text_chars: int = Field(default=0, ge=0)
+
+
+class DerenderStreamState(BaseModel):
+    """What a streamed derender needs to go on: the client carries it from one call to the
+    next. Each call replays it through fresh choices and sends only what is new."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str = Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS)
+    created: int = Field(ge=0)
+    prompt_token_ids: TokenIds
+    cached_tokens: int = Field(default=0, ge=0)
+    choices: list[ChoiceState] = Field(min_length=1, max_length=MAX_DERENDER_CHOICES)
+
+
+class DerenderStreamResponse(msgspec.Struct):
+    """A streamed derender's answer: `chunk`, the SSE text of the generating endpoint's
+    stream for this generate chunk (the chunks concatenated are that stream), and the
+    state to send with the next chunk."""
+
+    chunk: str
+    stream_state: dict[str, Any]
+
+
+class ChatDerenderRequest(JsonBody):
+    """POST /v1/chat/completions/derender: a `generate_response`, or with `stream` one
+    `generate_chunk` at a time."""
+
+    generate_response: GeneratedResponse | None = None
+    stream: bool = False
+    generate_chunk: GeneratedChunk | None = None
+    stream_state: DerenderStreamState | None = None
+    """Unset on the first chunk of a stream; then the previous answer's."""
     prompt_tokens: int | None = Field(default=None, ge=0)
     """The prompt's length, checked against the prompt's token ids when both are known."""
     prompt_token_ids: TokenIds | None = None

@@ -4,6 +4,7 @@ answers exactly what /v1/chat/completions and /v1/completions answer for the sam
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -164,3 +165,105 @@ def test_bad_generated_output_is_a_400(
     response = _post(render, path, body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def _sse(text: str) -> list[Any]:
+    """A stream's data lines, decoded (ids, timestamps and tool-call ids dropped)."""
+    events: list[Any] = []
+    for line in text.splitlines():
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            events.append("[DONE]")
+            continue
+        event = {k: v for k, v in json.loads(line[6:]).items() if k not in ("id", "created")}
+        for choice in event.get("choices", []):
+            for call in (choice.get("delta") or {}).get("tool_calls") or []:
+                call.pop("id", None)
+        if event.get("usage"):
+            event["usage"].pop("prompt_tokens_details", None)
+        events.append(event)
+    return events
+
+
+def _derender_stream(render: ServerProcess, chat: dict[str, Any]) -> tuple[str, list[str]]:
+    """render -> streamed generate -> one streamed derender per generate event: the
+    concatenated chunks, and each call's stream_state as sent."""
+    rendered = _ok(render, "/v1/chat/completions/render", chat)
+    generated = _post(render, "/inference/v1/generate", rendered)
+    assert generated.status_code == 200, generated.text
+    stream = ""
+    stream_state = None
+    states = []
+    for event in _sse(generated.text):
+        if event == "[DONE]":
+            continue
+        body = {"stream": True, "generate_chunk": event, "chat_request": chat}
+        if stream_state is not None:
+            body["stream_state"] = stream_state
+        answer = _ok(render, "/v1/chat/completions/derender", body)
+        stream += answer["chunk"]
+        stream_state = answer["stream_state"]
+        states.append(json.dumps(stream_state))
+    return stream, states
+
+
+@pytest.mark.parametrize("name", ["plain", "tool_choice_required"])
+def test_streamed_chat_round_trip_equals_the_chat_stream(render: ServerProcess, name: str) -> None:
+    chat = CHATS[name] | {
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    direct = _post(render, "/v1/chat/completions", chat)
+    assert direct.status_code == 200, direct.text
+    stream, _ = _derender_stream(render, chat)
+    assert _sse(stream) == _sse(direct.text)
+
+
+def _stream_body(chat: dict[str, Any], stream_state: dict[str, Any]) -> dict[str, Any]:
+    chunk = {"choices": [{"index": 0, "token_ids": [1]}]}
+    return {
+        "stream": True,
+        "generate_chunk": chunk,
+        "chat_request": chat,
+        "stream_state": stream_state,
+    }
+
+
+def test_a_lying_stream_state_is_a_400(render: ServerProcess) -> None:
+    chat = CHATS["plain"] | {"temperature": 0, "stream": True}
+    _, states = _derender_stream(render, chat)
+    state = json.loads(states[len(states) // 2])
+    assert state["choices"][0]["text_chars"] > 0
+    path = "/v1/chat/completions/derender"
+    cases = [
+        (
+            {"text_chars": state["choices"][0]["text_chars"] + 1},
+            "stream_state.choices.0.text_chars",
+        ),
+        (
+            {"token_ids": [*state["choices"][0]["token_ids"], VOCAB_SIZE]},
+            "stream_state.choices.0.token_ids.{}",
+        ),
+        ({"token_ids": list(range(100))}, "stream_state.choices.0.token_ids"),
+    ]
+    for change, param in cases:
+        lying = state | {"choices": [state["choices"][0] | change]}
+        response = _post(render, path, _stream_body(chat, lying))
+        assert response.status_code == 400, response.text[:300]
+        expected = param.format(len(state["choices"][0]["token_ids"]))
+        assert response.json()["error"]["param"] == expected
+    for change2, param in [
+        ({"choices": []}, "stream_state.choices"),
+        ({"choices": state["choices"] * 2}, "stream_state.choices"),
+    ]:
+        response = _post(render, path, _stream_body(chat, state | change2))
+        assert response.status_code == 400, response.text[:300]
+        assert response.json()["error"]["param"] == param
+
+    # 10 MB of state is refused before it is read, as every oversize body is: never a 500.
+    huge = state | {"choices": [state["choices"][0] | {"token_ids": [1] * 5_000_000}]}
+    response = _post(render, path, _stream_body(chat, huge))
+    assert response.status_code == 413, response.text[:300]
+    assert response.json()["error"]["code"] == "request_too_large"

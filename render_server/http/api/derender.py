@@ -10,13 +10,19 @@ endpoint's own formatter (tool calls, reasoning, logprobs, usage) writes the bod
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from render_server.generation.lifecycle import Choice, Generation, PromptGeneration
-from render_server.http.api.chat import chat_formatter, chat_request_id, prepare_chat
+from render_server.generation.lifecycle import Choice, ChoiceDelta, Generation, PromptGeneration
+from render_server.http.api.chat import (
+    ChatPrompt,
+    chat_formatter,
+    chat_request_id,
+    prepare_chat,
+)
 from render_server.http.api.completions import (
     CompletionFormatter,
     completion_request_id,
@@ -24,11 +30,16 @@ from render_server.http.api.completions import (
 )
 from render_server.http.api.deps import RenderState, StateDep
 from render_server.http.endpoint import check_request, prompt_specs
+from render_server.http.formatter import ResponseFormatter
 from render_server.http.serving import json_response
 from render_server.schemas.derender_api import (
     ChatDerenderRequest,
+    ChoiceState,
     CompletionDerenderRequest,
+    DerenderStreamResponse,
+    DerenderStreamState,
     GeneratedChoice,
+    GeneratedChunk,
     GeneratedResponse,
 )
 from render_server.schemas.errors import ApiError, ErrorResponse
@@ -57,8 +68,27 @@ async def derender_chat(body: ChatDerenderRequest, request: Request, state: Stat
     chat = body.chat_request or _PLAIN_CHAT
     check_request(state, chat)
     prompt = await prepare_chat(request, state, chat)
+    if body.stream:
+        return _stream_chat(state, body, chat, prompt)
     response = body.generate_response
-    prompt_ids = body.prompt_token_ids or response.prompt_token_ids
+    if response is None:
+        raise ApiError(
+            400, "generate_response: required unless stream is true.", param="generate_response"
+        )
+    prompt_ids = _chat_prompt_ids(body, prompt, response.prompt_token_ids)
+    specs = prompt_specs(state, chat, [prompt_ids], prompt_param="messages")
+    generation = Generation(None, state.tokenizer, chat_request_id(chat), specs)
+    _replay(state, generation.prompts[0], response, "generate_response")
+    formatter = chat_formatter(state, chat, prompt, len(generation.choices))
+    return json_response(formatter.body(generation))
+
+
+def _chat_prompt_ids(
+    body: ChatDerenderRequest, prompt: ChatPrompt, generated: list[int] | None
+) -> list[int]:
+    """The prompt that was generated from: named, else the generate response's, else the
+    chat request rendered again."""
+    prompt_ids = body.prompt_token_ids or generated
     if prompt_ids is None:
         if body.chat_request is None:
             raise ApiError(
@@ -73,12 +103,110 @@ async def derender_chat(body: ChatDerenderRequest, request: Request, state: Stat
             f"prompt_tokens: {body.prompt_tokens}, but the prompt has {len(prompt_ids)} tokens.",
             param="prompt_tokens",
         )
-    _check_vocabulary(state, prompt_ids, "prompt_token_ids")
-    specs = prompt_specs(state, chat, [prompt_ids], prompt_param="messages")
-    generation = Generation(None, state.tokenizer, chat_request_id(chat), specs)
-    _replay(state, generation.prompts[0], response, "generate_response")
+    return prompt_ids
+
+
+def _stream_chat(
+    state: RenderState, body: ChatDerenderRequest, chat: ChatCompletionRequest, prompt: ChatPrompt
+) -> Response:
+    """One generate chunk as the chat stream's events: the state so far is replayed
+    through fresh choices (and the formatter's parsers), then the chunk is fed."""
+    chunk = body.generate_chunk
+    if chunk is None:
+        raise ApiError(400, "generate_chunk: required when stream is true.", param="generate_chunk")
+    first = body.stream_state is None
+    if body.stream_state is None:
+        prompt_ids = _chat_prompt_ids(body, prompt, None)
+        _check_vocabulary(state, prompt_ids, "prompt_token_ids")
+        specs = prompt_specs(state, chat, [prompt_ids], prompt_param="messages")
+        stream_state = DerenderStreamState(
+            request_id=chat_request_id(chat),
+            created=int(time.time()),
+            prompt_token_ids=prompt_ids,
+            choices=[ChoiceState() for _ in specs[0].choices],
+        )
+    else:
+        stream_state = body.stream_state
+        _check_vocabulary(state, stream_state.prompt_token_ids, "stream_state.prompt_token_ids")
+        specs = prompt_specs(state, chat, [stream_state.prompt_token_ids], prompt_param="messages")
+    generation = Generation(None, state.tokenizer, stream_state.request_id, specs)
     formatter = chat_formatter(state, chat, prompt, len(generation.choices))
-    return json_response(formatter.body(generation))
+    formatter.created = stream_state.created
+    events = _replay_stream(state, generation, formatter, stream_state, chunk)
+    if first:
+        events = formatter.opening(generation) + events
+    return json_response(
+        DerenderStreamResponse(
+            events.decode(), _next_state(stream_state, generation).model_dump(mode="json")
+        )
+    )
+
+
+def _replay_stream(
+    state: RenderState,
+    generation: Generation,
+    formatter: ResponseFormatter,
+    stream_state: DerenderStreamState,
+    chunk: GeneratedChunk,
+) -> bytes:
+    """Replay `stream_state` (its events are sent already), then `chunk`: its events, and
+    the stream's end once every choice ended."""
+    if len(stream_state.choices) != len(generation.choices):
+        raise ApiError(
+            400,
+            f"stream_state.choices: {len(stream_state.choices)} for n={len(generation.choices)}.",
+            param="stream_state.choices",
+        )
+    if chunk.usage is not None and chunk.usage.prompt_tokens_details is not None:
+        stream_state.cached_tokens = chunk.usage.prompt_tokens_details.cached_tokens
+    cached = stream_state.cached_tokens
+    for index, (choice, sent) in enumerate(
+        zip(generation.choices, stream_state.choices, strict=True)
+    ):
+        param = f"stream_state.choices.{index}"
+        _check_length(choice, sent.token_ids, f"{param}.token_ids")
+        _check_vocabulary(state, sent.token_ids, f"{param}.token_ids")
+        if sent.token_ids or sent.finish_reason is not None:
+            old = GeneratedChoice(
+                index=index,
+                token_ids=sent.token_ids,
+                finish_reason=sent.finish_reason,
+                stop_reason=sent.stop_token_id,
+            )
+            formatter.delta_events(generation, replay_choice(choice, old, cached, state, param))
+        if len(choice.text) != sent.text_chars:
+            raise ApiError(
+                400,
+                f"{param}.text_chars: {sent.text_chars}, but its tokens make {len(choice.text)}.",
+                param=f"{param}.text_chars",
+            )
+    was_done = all(choice.finish_reason is not None for choice in generation.choices)
+    events = b""
+    for generated in chunk.choices:
+        param = f"generate_chunk.choices.{generated.index}"
+        if generated.index >= len(generation.choices):
+            raise ApiError(400, f"{param}: no such choice.", param=f"{param}.index")
+        choice = generation.choices[generated.index]
+        if choice.finish_reason is not None:
+            continue  # a stop string ended it here first
+        seen = stream_state.choices[generated.index].token_ids
+        _check_length(choice, seen + generated.token_ids, f"{param}.token_ids")
+        _check_vocabulary(state, generated.token_ids, f"{param}.token_ids")
+        stream_state.choices[generated.index].finish_reason = generated.finish_reason
+        if isinstance(generated.stop_reason, int) and generated.stop_reason >= 0:
+            stream_state.choices[generated.index].stop_token_id = generated.stop_reason
+        delta = replay_choice(choice, generated, cached, state, param)
+        events += formatter.delta_events(generation, delta) or b""
+    if not was_done and all(choice.finish_reason is not None for choice in generation.choices):
+        events += formatter.closing(generation) + formatter.done_event
+    return events
+
+
+def _next_state(stream_state: DerenderStreamState, generation: Generation) -> DerenderStreamState:
+    for choice, sent in zip(generation.choices, stream_state.choices, strict=True):
+        sent.token_ids = list(choice.token_ids)
+        sent.text_chars = len(choice.text)
+    return stream_state
 
 
 @router.post(
@@ -139,13 +267,14 @@ def _replay(
         cached = response.usage.prompt_tokens_details.cached_tokens
     for generated in response.choices:
         at = f"{param}.choices.{generated.index}"
+        _check_length(choices[generated.index], generated.token_ids, f"{at}.token_ids")
         _check_vocabulary(state, generated.token_ids, f"{at}.token_ids")
         replay_choice(choices[generated.index], generated, cached, state, at)
 
 
 def replay_choice(
     choice: Choice, generated: GeneratedChoice, cached: int, state: RenderState, param: str
-) -> None:
+) -> ChoiceDelta:
     """One generated choice (or a chunk of it) fed to `choice` as a worker delta."""
     stop_token_id = generated.stop_reason if isinstance(generated.stop_reason, int) else None
     logprobs = None
@@ -169,7 +298,7 @@ def replay_choice(
                     [alt.logprob for alt in entry.top_logprobs],
                 )
             )
-    choice.replay(
+    return choice.replay(
         RequestDelta(
             request_id=choice.prompt.request_id,
             new_token_ids=generated.token_ids,
@@ -180,6 +309,17 @@ def replay_choice(
             logprobs=logprobs,
         )
     )
+
+
+def _check_length(choice: Choice, token_ids: list[int], param: str) -> None:
+    # More than the request's max_tokens: not what the workers generated for it.
+    max_tokens = choice.spec.sampling.max_tokens
+    if max_tokens is not None and len(token_ids) > max_tokens:
+        raise ApiError(
+            400,
+            f"{param}: {len(token_ids)} tokens, more than max_tokens={max_tokens}.",
+            param=param,
+        )
 
 
 def _check_vocabulary(state: RenderState, token_ids: list[int], param: str) -> None:

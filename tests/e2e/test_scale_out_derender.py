@@ -217,8 +217,12 @@ def test_streamed_chat_round_trip_equals_the_chat_stream(render: ServerProcess, 
     }
     direct = _post(render, "/v1/chat/completions", chat)
     assert direct.status_code == 200, direct.text
-    stream, _ = _derender_stream(render, chat)
+    stream, states = _derender_stream(render, chat)
     assert _sse(stream) == _sse(direct.text)
+    # The closing usage carries the generate stream's cache hits.
+    last = json.loads(stream.split("data: ")[-2])
+    cached = json.loads(states[-1])["cached_tokens"]
+    assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
 
 
 def _stream_body(chat: dict[str, Any], stream_state: dict[str, Any]) -> dict[str, Any]:

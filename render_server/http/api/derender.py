@@ -30,7 +30,7 @@ from render_server.http.api.completions import (
 )
 from render_server.http.api.deps import RenderState, StateDep
 from render_server.http.endpoint import check_request, prompt_specs
-from render_server.http.formatter import ResponseFormatter
+from render_server.http.formatter import OpenAIFormatter
 from render_server.http.serving import json_response
 from render_server.schemas.derender_api import (
     ChatDerenderRequest,
@@ -145,20 +145,58 @@ def _stream_chat(
 def _replay_stream(
     state: RenderState,
     generation: Generation,
-    formatter: ResponseFormatter,
+    formatter: OpenAIFormatter[Any, Any],
     stream_state: DerenderStreamState,
     chunk: GeneratedChunk,
 ) -> bytes:
     """Replay `stream_state` (its events are sent already), then `chunk`: its events, and
     the stream's end once every choice ended."""
+    if chunk.usage is not None and chunk.usage.prompt_tokens_details is not None:
+        stream_state.cached_tokens = chunk.usage.prompt_tokens_details.cached_tokens
+    _replay_state(state, generation, formatter, stream_state)
+    choices = generation.choices
+    was_done = all(choice.finish_reason is not None for choice in choices)
+    events = b""
+    for generated in chunk.choices:
+        param = f"generate_chunk.choices.{generated.index}"
+        if generated.index >= len(choices):
+            raise ApiError(400, f"{param}: no such choice.", param=f"{param}.index")
+        choice = choices[generated.index]
+        if choice.finish_reason is not None:
+            continue  # a stop string ended it here first
+        sent = stream_state.choices[generated.index]
+        _check_length(choice, sent.token_ids + generated.token_ids, f"{param}.token_ids")
+        _check_vocabulary(state, generated.token_ids, f"{param}.token_ids")
+        sent.finish_reason = generated.finish_reason
+        if isinstance(generated.stop_reason, int) and generated.stop_reason >= 0:
+            sent.stop_token_id = generated.stop_reason
+        delta = replay_choice(choice, generated, stream_state.cached_tokens, state, param)
+        events += formatter.delta_events(generation, delta) or b""
+    if all(choice.finish_reason is not None for choice in choices):
+        # With usage asked for, the generate stream ends on a usage chunk (its cache hits
+        # are the closing usage's): the stream ends there, as the generating one does.
+        if formatter.include_usage:
+            if chunk.usage is not None and not chunk.choices:
+                events += formatter.closing(generation) + formatter.done_event
+        elif not was_done:
+            events += formatter.done_event
+    return events
+
+
+def _replay_state(
+    state: RenderState,
+    generation: Generation,
+    formatter: OpenAIFormatter[Any, Any],
+    stream_state: DerenderStreamState,
+) -> None:
+    """Feed each choice what it generated before (through the formatter, whose parsers
+    keep state; its events were sent then) and check the text it releases."""
     if len(stream_state.choices) != len(generation.choices):
         raise ApiError(
             400,
             f"stream_state.choices: {len(stream_state.choices)} for n={len(generation.choices)}.",
             param="stream_state.choices",
         )
-    if chunk.usage is not None and chunk.usage.prompt_tokens_details is not None:
-        stream_state.cached_tokens = chunk.usage.prompt_tokens_details.cached_tokens
     cached = stream_state.cached_tokens
     for index, (choice, sent) in enumerate(
         zip(generation.choices, stream_state.choices, strict=True)
@@ -180,26 +218,6 @@ def _replay_stream(
                 f"{param}.text_chars: {sent.text_chars}, but its tokens make {len(choice.text)}.",
                 param=f"{param}.text_chars",
             )
-    was_done = all(choice.finish_reason is not None for choice in generation.choices)
-    events = b""
-    for generated in chunk.choices:
-        param = f"generate_chunk.choices.{generated.index}"
-        if generated.index >= len(generation.choices):
-            raise ApiError(400, f"{param}: no such choice.", param=f"{param}.index")
-        choice = generation.choices[generated.index]
-        if choice.finish_reason is not None:
-            continue  # a stop string ended it here first
-        seen = stream_state.choices[generated.index].token_ids
-        _check_length(choice, seen + generated.token_ids, f"{param}.token_ids")
-        _check_vocabulary(state, generated.token_ids, f"{param}.token_ids")
-        stream_state.choices[generated.index].finish_reason = generated.finish_reason
-        if isinstance(generated.stop_reason, int) and generated.stop_reason >= 0:
-            stream_state.choices[generated.index].stop_token_id = generated.stop_reason
-        delta = replay_choice(choice, generated, cached, state, param)
-        events += formatter.delta_events(generation, delta) or b""
-    if not was_done and all(choice.finish_reason is not None for choice in generation.choices):
-        events += formatter.closing(generation) + formatter.done_event
-    return events
 
 
 def _next_state(stream_state: DerenderStreamState, generation: Generation) -> DerenderStreamState:

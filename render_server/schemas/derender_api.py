@@ -20,15 +20,19 @@ from render_server.schemas.generation import (
     CompletionRequest,
 )
 from render_server.schemas.vllm_fields import MAX_REQUEST_ID_CHARS
-from shared.sampling import MAX_TOKENS_LIMIT
+from shared.sampling import INT64_MAX, INT64_MIN, MAX_TOKENS_LIMIT
 
 MAX_DERENDER_CHOICES = 128
 """Choices one generate response may carry (as `n` is bounded for generating)."""
 MAX_DERENDER_PROMPTS = 128
 """Generate responses one completions derender may carry, one per prompt."""
 
-TokenIdIn = Annotated[int, Field(ge=0)]
+# Every number is bounded: each may be written back into an answer (a JSON integer).
+TokenIdIn = Annotated[int, Field(ge=0, le=INT64_MAX)]
 TokenIds = Annotated[list[TokenIdIn], Field(max_length=MAX_TOKENS_LIMIT)]
+PromptIds = Annotated[list[TokenIdIn], Field(min_length=1, max_length=MAX_TOKENS_LIMIT)]
+Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
+Rank = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 
 class GeneratedTopLogprob(BaseModel):
@@ -36,7 +40,7 @@ class GeneratedTopLogprob(BaseModel):
 
     token_id: TokenIdIn
     logprob: float
-    rank: int | None = None
+    rank: Rank | None = None
 
 
 class GeneratedTokenLogprob(BaseModel):
@@ -44,7 +48,7 @@ class GeneratedTokenLogprob(BaseModel):
 
     token_id: TokenIdIn
     logprob: float
-    rank: int | None = None
+    rank: Rank | None = None
     top_logprobs: list[GeneratedTopLogprob] = Field(
         default_factory=list, max_length=MAX_COMPLETION_LOGPROBS
     )
@@ -62,7 +66,7 @@ class GeneratedChoice(BaseModel):
     index: int = Field(ge=0, lt=MAX_DERENDER_CHOICES)
     token_ids: TokenIds
     finish_reason: Literal["stop", "length", "abort", "error"] | None = None
-    stop_reason: int | str | None = None
+    stop_reason: TokenIdIn | Annotated[str, Field(max_length=4096)] | None = None
     """A stop token id, or the stop string that ended the choice."""
     logprobs: GeneratedLogprobs | None = None
 
@@ -70,7 +74,7 @@ class GeneratedChoice(BaseModel):
 class GeneratedCachedTokens(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    cached_tokens: int = Field(default=0, ge=0)
+    cached_tokens: Count = 0
 
 
 class GeneratedUsage(BaseModel):
@@ -89,7 +93,7 @@ class GeneratedResponse(BaseModel):
 
     choices: list[GeneratedChoice] = Field(min_length=1, max_length=MAX_DERENDER_CHOICES)
     usage: GeneratedUsage | None = None
-    prompt_token_ids: TokenIds | None = None
+    prompt_token_ids: PromptIds | None = None
 
 
 class GeneratedChunk(BaseModel):
@@ -110,7 +114,9 @@ class ChoiceState(BaseModel):
     token_ids: TokenIds = Field(default_factory=list)
     finish_reason: Literal["stop", "length", "abort", "error"] | None = None
     stop_token_id: TokenIdIn | None = None
-    text_chars: int = Field(default=0, ge=0)
+    text_chars: Count = 0
+    cached_tokens: Count = 0
+    """Its prompt's prefix-cache hits, as the generate stream's usage said."""
 
 
 class DerenderStreamState(BaseModel):
@@ -120,10 +126,15 @@ class DerenderStreamState(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     request_id: str = Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS)
-    created: int = Field(ge=0)
-    prompt_token_ids: TokenIds
-    cached_tokens: int = Field(default=0, ge=0)
-    choices: list[ChoiceState] = Field(min_length=1, max_length=MAX_DERENDER_CHOICES)
+    created: Count
+    prompt_token_ids: list[PromptIds] = Field(min_length=1, max_length=MAX_DERENDER_PROMPTS)
+    """Each prompt (a chat has one)."""
+    choices: list[ChoiceState] = Field(
+        min_length=1, max_length=MAX_DERENDER_CHOICES * MAX_DERENDER_PROMPTS
+    )
+    """Every choice, prompt by prompt."""
+    ended: bool = False
+    """The stream's end went out."""
 
 
 class DerenderStreamResponse(msgspec.Struct):
@@ -144,9 +155,9 @@ class ChatDerenderRequest(JsonBody):
     generate_chunk: GeneratedChunk | None = None
     stream_state: DerenderStreamState | None = None
     """Unset on the first chunk of a stream; then the previous answer's."""
-    prompt_tokens: int | None = Field(default=None, ge=0)
+    prompt_tokens: Count | None = None
     """The prompt's length, checked against the prompt's token ids when both are known."""
-    prompt_token_ids: TokenIds | None = None
+    prompt_token_ids: PromptIds | None = None
     """The prompt that was generated from; unset: the generate response's, else
     `chat_request` rendered again."""
     chat_request: ChatCompletionRequest | None = None
@@ -158,10 +169,15 @@ class ChatDerenderRequest(JsonBody):
 class CompletionDerenderRequest(JsonBody):
     """POST /v1/completions/derender: one generate response per prompt, in order."""
 
-    generate_responses: list[GeneratedResponse] = Field(
-        min_length=1, max_length=MAX_DERENDER_PROMPTS
+    generate_responses: list[GeneratedResponse] | None = Field(
+        default=None, min_length=1, max_length=MAX_DERENDER_PROMPTS
     )
-    prompt_token_ids: list[TokenIds] | None = Field(default=None, max_length=MAX_DERENDER_PROMPTS)
+    stream: bool = False
+    generate_chunk: GeneratedChunk | None = None
+    """With `stream`: one event of the generate stream of prompt `prompt_index`."""
+    prompt_index: int = Field(default=0, ge=0, lt=MAX_DERENDER_PROMPTS)
+    stream_state: DerenderStreamState | None = None
+    prompt_token_ids: list[PromptIds] | None = Field(default=None, max_length=MAX_DERENDER_PROMPTS)
     """Each prompt; unset: each generate response's, else `completion_request`'s prompts."""
     completion_request: CompletionRequest | None = None
     """The completions body that was rendered (stop strings, echo, logprobs)."""

@@ -221,7 +221,7 @@ def test_streamed_chat_round_trip_equals_the_chat_stream(render: ServerProcess, 
     assert _sse(stream) == _sse(direct.text)
     # The closing usage carries the generate stream's cache hits.
     last = json.loads(stream.split("data: ")[-2])
-    cached = json.loads(states[-1])["cached_tokens"]
+    cached = json.loads(states[-1])["choices"][0]["cached_tokens"]
     assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
 
 
@@ -271,3 +271,61 @@ def test_a_lying_stream_state_is_a_400(render: ServerProcess) -> None:
     response = _post(render, path, _stream_body(chat, huge))
     assert response.status_code == 413, response.text[:300]
     assert response.json()["error"]["code"] == "request_too_large"
+
+
+def _derender_completion_stream(render: ServerProcess, completion: dict[str, Any]) -> str:
+    """render -> one streamed generate per prompt -> a streamed derender per event."""
+    stream = ""
+    stream_state = None
+    for index, item in enumerate(_ok(render, "/v1/completions/render", completion)):
+        generated = _post(render, "/inference/v1/generate", item)
+        assert generated.status_code == 200, generated.text
+        for event in _sse(generated.text):
+            if event == "[DONE]":
+                continue
+            body = {
+                "stream": True,
+                "generate_chunk": event,
+                "prompt_index": index,
+                "completion_request": completion,
+            }
+            if stream_state is not None:
+                body["stream_state"] = stream_state
+            answer = _ok(render, "/v1/completions/derender", body)
+            stream += answer["chunk"]
+            stream_state = answer["stream_state"]
+    return stream
+
+
+def _texts(events: list[Any]) -> dict[int, tuple[str, str | None]]:
+    """Each choice's streamed text and finish reason."""
+    texts: dict[int, tuple[str, str | None]] = {}
+    for event in events:
+        for choice in event["choices"] if isinstance(event, dict) else []:
+            text, _ = texts.get(choice["index"], ("", None))
+            texts[choice["index"]] = (text + choice["text"], choice["finish_reason"])
+    return texts
+
+
+def test_streamed_completions_round_trip_equals_the_completions_stream(
+    render: ServerProcess,
+) -> None:
+    completion: dict[str, Any] = {
+        "prompt": "The capital of France is",
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": 2,
+        "echo": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    direct = _post(render, "/v1/completions", completion)
+    assert direct.status_code == 200, direct.text
+    assert _sse(_derender_completion_stream(render, completion)) == _sse(direct.text)
+    # Two prompts: each prompt's stream in turn, every choice's text as the direct one's.
+    two = completion | {"prompt": ["The capital of France is", "Hello"], "logprobs": None}
+    direct = _post(render, "/v1/completions", two)
+    derendered = _sse(_derender_completion_stream(render, two))
+    assert _texts(derendered) == _texts(_sse(direct.text))
+    assert derendered[-1] == "[DONE]"
+    assert derendered[-2]["usage"] == _sse(direct.text)[-2]["usage"]

@@ -11,6 +11,7 @@ endpoint's own formatter (tool calls, reasoning, logprobs, usage) writes the bod
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -43,7 +44,11 @@ from render_server.schemas.derender_api import (
     GeneratedResponse,
 )
 from render_server.schemas.errors import ApiError, ErrorResponse
-from render_server.schemas.generation import ChatCompletionRequest, CompletionRequest
+from render_server.schemas.generation import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
 from shared.protocol import RequestDelta, TokenLogprobs
 
 router = APIRouter(tags=["render"])
@@ -109,30 +114,64 @@ def _chat_prompt_ids(
 def _stream_chat(
     state: RenderState, body: ChatDerenderRequest, chat: ChatCompletionRequest, prompt: ChatPrompt
 ) -> Response:
-    """One generate chunk as the chat stream's events: the state so far is replayed
-    through fresh choices (and the formatter's parsers), then the chunk is fed."""
-    chunk = body.generate_chunk
+    """One generate chunk as the chat stream's events."""
+    prompts = None if body.stream_state is not None else [_chat_prompt_ids(body, prompt, None)]
+    return _stream(
+        state,
+        chat,
+        chat_request_id(chat),
+        prompts,
+        body.stream_state,
+        body.generate_chunk,
+        0,
+        "messages",
+        lambda n: chat_formatter(state, chat, prompt, n),
+    )
+
+
+def _stream(
+    state: RenderState,
+    body: SamplingFields,
+    request_id: str,
+    prompts: list[list[int]] | None,
+    stream_state: DerenderStreamState | None,
+    chunk: GeneratedChunk | None,
+    prompt_index: int,
+    prompt_param: str,
+    make_formatter: Callable[[int], OpenAIFormatter[Any, Any]],
+) -> Response:
+    """One generate chunk (of prompt `prompt_index`'s stream) as the generating endpoint's
+    events: `stream_state` (None on the first chunk: a new one over `prompts`) is replayed
+    through fresh choices and the formatter's parsers, then the chunk is fed."""
     if chunk is None:
         raise ApiError(400, "generate_chunk: required when stream is true.", param="generate_chunk")
-    first = body.stream_state is None
-    if body.stream_state is None:
-        prompt_ids = _chat_prompt_ids(body, prompt, None)
-        _check_vocabulary(state, prompt_ids, "prompt_token_ids")
-        specs = prompt_specs(state, chat, [prompt_ids], prompt_param="messages")
+    first = stream_state is None
+    if stream_state is None:
+        assert prompts is not None
+        for number, ids in enumerate(prompts):
+            _check_vocabulary(state, ids, f"prompt_token_ids.{number}")
+        specs = prompt_specs(state, body, prompts, prompt_param=prompt_param)
         stream_state = DerenderStreamState(
-            request_id=chat_request_id(chat),
+            request_id=request_id,
             created=int(time.time()),
-            prompt_token_ids=prompt_ids,
-            choices=[ChoiceState() for _ in specs[0].choices],
+            prompt_token_ids=[spec.prompt_token_ids for spec in specs],
+            choices=[ChoiceState() for spec in specs for _ in spec.choices],
         )
     else:
-        stream_state = body.stream_state
-        _check_vocabulary(state, stream_state.prompt_token_ids, "stream_state.prompt_token_ids")
-        specs = prompt_specs(state, chat, [stream_state.prompt_token_ids], prompt_param="messages")
+        for number, ids in enumerate(stream_state.prompt_token_ids):
+            _check_vocabulary(state, ids, f"stream_state.prompt_token_ids.{number}")
+        specs = prompt_specs(state, body, stream_state.prompt_token_ids, prompt_param=prompt_param)
     generation = Generation(None, state.tokenizer, stream_state.request_id, specs)
-    formatter = chat_formatter(state, chat, prompt, len(generation.choices))
+    if prompt_index >= len(generation.prompts):
+        raise ApiError(
+            400,
+            f"prompt_index: {prompt_index}, but there are {len(generation.prompts)} prompts.",
+            param="prompt_index",
+        )
+    formatter = make_formatter(len(generation.choices))
     formatter.created = stream_state.created
-    events = _replay_stream(state, generation, formatter, stream_state, chunk)
+    prompt = generation.prompts[prompt_index]
+    events = _replay_stream(state, generation, formatter, stream_state, chunk, prompt)
     if first:
         events = formatter.opening(generation) + events
     return json_response(
@@ -148,38 +187,43 @@ def _replay_stream(
     formatter: OpenAIFormatter[Any, Any],
     stream_state: DerenderStreamState,
     chunk: GeneratedChunk,
+    prompt: PromptGeneration,
 ) -> bytes:
-    """Replay `stream_state` (its events are sent already), then `chunk`: its events, and
-    the stream's end once every choice ended."""
-    if chunk.usage is not None and chunk.usage.prompt_tokens_details is not None:
-        stream_state.cached_tokens = chunk.usage.prompt_tokens_details.cached_tokens
+    """Replay `stream_state` (its events are sent already), then `chunk` of `prompt`: its
+    events, and the stream's end once every choice ended."""
     _replay_state(state, generation, formatter, stream_state)
-    choices = generation.choices
-    was_done = all(choice.finish_reason is not None for choice in choices)
+    if chunk.usage is not None and chunk.usage.prompt_tokens_details is not None:
+        cached = chunk.usage.prompt_tokens_details.cached_tokens
+        for choice in prompt.choices:
+            stream_state.choices[choice.index].cached_tokens = cached
+            prompt.num_cached_tokens = max(prompt.num_cached_tokens, cached)
+    if stream_state.ended:
+        return b""
     events = b""
     for generated in chunk.choices:
         param = f"generate_chunk.choices.{generated.index}"
-        if generated.index >= len(choices):
+        if generated.index >= len(prompt.choices):
             raise ApiError(400, f"{param}: no such choice.", param=f"{param}.index")
-        choice = choices[generated.index]
+        choice = prompt.choices[generated.index]
         if choice.finish_reason is not None:
             continue  # a stop string ended it here first
-        sent = stream_state.choices[generated.index]
+        sent = stream_state.choices[choice.index]
         _check_length(choice, sent.token_ids + generated.token_ids, f"{param}.token_ids")
         _check_vocabulary(state, generated.token_ids, f"{param}.token_ids")
         sent.finish_reason = generated.finish_reason
         if isinstance(generated.stop_reason, int) and generated.stop_reason >= 0:
             sent.stop_token_id = generated.stop_reason
-        delta = replay_choice(choice, generated, stream_state.cached_tokens, state, param)
+        delta = replay_choice(choice, generated, sent.cached_tokens, state, param)
         events += formatter.delta_events(generation, delta) or b""
-    if all(choice.finish_reason is not None for choice in choices):
-        # With usage asked for, the generate stream ends on a usage chunk (its cache hits
+    if all(choice.finish_reason is not None for choice in generation.choices):
+        # With usage asked for, a generate stream ends on a usage chunk (its cache hits
         # are the closing usage's): the stream ends there, as the generating one does.
-        if formatter.include_usage:
-            if chunk.usage is not None and not chunk.choices:
-                events += formatter.closing(generation) + formatter.done_event
-        elif not was_done:
+        if not formatter.include_usage:
             events += formatter.done_event
+            stream_state.ended = True
+        elif chunk.usage is not None and not chunk.choices:
+            events += formatter.closing(generation) + formatter.done_event
+            stream_state.ended = True
     return events
 
 
@@ -197,7 +241,6 @@ def _replay_state(
             f"stream_state.choices: {len(stream_state.choices)} for n={len(generation.choices)}.",
             param="stream_state.choices",
         )
-    cached = stream_state.cached_tokens
     for index, (choice, sent) in enumerate(
         zip(generation.choices, stream_state.choices, strict=True)
     ):
@@ -211,7 +254,8 @@ def _replay_state(
                 finish_reason=sent.finish_reason,
                 stop_reason=sent.stop_token_id,
             )
-            formatter.delta_events(generation, replay_choice(choice, old, cached, state, param))
+            delta = replay_choice(choice, old, sent.cached_tokens, state, param)
+            formatter.delta_events(generation, delta)
         if len(choice.text) != sent.text_chars:
             raise ApiError(
                 400,
@@ -239,7 +283,32 @@ async def derender_completion(
     state.check_model(body.model)
     completion = body.completion_request or _PLAIN_COMPLETION
     check_request(state, completion)
+    if body.stream:
+        prompts = body.prompt_token_ids
+        if prompts is None and body.stream_state is None:
+            if body.completion_request is None:
+                raise ApiError(
+                    400,
+                    "prompt_token_ids: needed when completion_request is unset.",
+                    param="prompt_token_ids",
+                )
+            prompts, _ = await prepare_completion(request, state, completion)
+        return _stream(
+            state,
+            completion,
+            completion_request_id(completion),
+            prompts,
+            body.stream_state,
+            body.generate_chunk,
+            body.prompt_index,
+            "prompt",
+            lambda _: CompletionFormatter(state, completion),
+        )
     responses = body.generate_responses
+    if responses is None:
+        raise ApiError(
+            400, "generate_responses: required unless stream is true.", param="generate_responses"
+        )
     prompts = body.prompt_token_ids
     if prompts is None:
         given = [response.prompt_token_ids for response in responses]

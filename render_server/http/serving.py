@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 from fastapi import Request
@@ -23,9 +23,14 @@ SSE_DONE = b"data: [DONE]\n\n"
 _encode_json = msgspec.json.Encoder().encode
 
 
-GENERATION_ERRORS: dict[int | str, dict[str, object]] = {
+REQUEST_ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid request"},
     404: {"model": ErrorResponse, "description": "Unknown model"},
+}
+"""The error answers of every endpoint that reads a model's request, for the OpenAPI
+document."""
+GENERATION_ERRORS: dict[int | str, dict[str, Any]] = {
+    **REQUEST_ERRORS,
     503: {"model": ErrorResponse, "description": "No worker available"},
 }
 """The error answers of the generation endpoints, for the OpenAPI document."""

@@ -32,7 +32,7 @@ from render_server.http.api.completions import (
 from render_server.http.api.deps import RenderState, StateDep
 from render_server.http.endpoint import check_request, prompt_specs
 from render_server.http.formatter import OpenAIFormatter
-from render_server.http.serving import json_response
+from render_server.http.serving import REQUEST_ERRORS, json_response
 from render_server.schemas.derender_api import (
     ChatDerenderRequest,
     ChoiceState,
@@ -43,7 +43,7 @@ from render_server.schemas.derender_api import (
     GeneratedChunk,
     GeneratedResponse,
 )
-from render_server.schemas.errors import ApiError, ErrorResponse
+from render_server.schemas.errors import ApiError
 from render_server.schemas.generation import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -53,10 +53,6 @@ from shared.protocol import RequestDelta, TokenLogprobs
 
 router = APIRouter(tags=["render"])
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorResponse, "description": "Invalid request"},
-    404: {"model": ErrorResponse, "description": "Unknown model"},
-}
 
 _PLAIN_CHAT = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": ""}]})
 """The chat body of a derender that names none: no stops, tools or options."""
@@ -65,7 +61,7 @@ _PLAIN_COMPLETION = CompletionRequest.model_validate({"prompt": ""})
 
 @router.post(
     "/v1/chat/completions/derender",
-    responses=_ERRORS,
+    responses=REQUEST_ERRORS,
 )
 async def derender_chat(body: ChatDerenderRequest, request: Request, state: StateDep) -> Response:
     """The chat completion /v1/chat/completions answers for these generated tokens."""
@@ -273,7 +269,7 @@ def _next_state(stream_state: DerenderStreamState, generation: Generation) -> De
 
 @router.post(
     "/v1/completions/derender",
-    responses=_ERRORS,
+    responses=REQUEST_ERRORS,
 )
 async def derender_completion(
     body: CompletionDerenderRequest, request: Request, state: StateDep

@@ -21,7 +21,7 @@ from render_server.http.api.chat import chat_request_id, prepare_chat
 from render_server.http.api.completions import completion_request_id, prepare_completion
 from render_server.http.api.deps import RenderState, StateDep
 from render_server.http.endpoint import check_request, prompt_specs
-from render_server.schemas.errors import ErrorResponse
+from render_server.http.serving import REQUEST_ERRORS
 from render_server.schemas.generate_api import GenerateRequest
 from render_server.schemas.generation import (
     ChatCompletionRequest,
@@ -32,10 +32,6 @@ from shared.protocol import Constraint
 
 router = APIRouter(tags=["render"])
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorResponse, "description": "Invalid request"},
-    404: {"model": ErrorResponse, "description": "Unknown model"},
-}
 _encode = msgspec.json.Encoder().encode
 
 
@@ -112,7 +108,7 @@ def _generate_request(
 
 @router.post(
     "/v1/chat/completions/render",
-    responses={200: {"model": GenerateRequest}, **_ERRORS},
+    responses={200: {"model": GenerateRequest}, **REQUEST_ERRORS},
 )
 async def render_chat(body: ChatCompletionRequest, request: Request, state: StateDep) -> Response:
     """The GenerateRequest /v1/chat/completions would run for this body."""
@@ -125,7 +121,7 @@ async def render_chat(body: ChatCompletionRequest, request: Request, state: Stat
 
 @router.post(
     "/v1/completions/render",
-    responses={200: {"model": list[GenerateRequest]}, **_ERRORS},
+    responses={200: {"model": list[GenerateRequest]}, **REQUEST_ERRORS},
 )
 async def render_completion(body: CompletionRequest, request: Request, state: StateDep) -> Response:
     """The GenerateRequests /v1/completions would run for this body, one per prompt."""

@@ -23,7 +23,8 @@ from render_server.http.admission import read_body, replay
 from render_server.http.api.deps import RenderState, StateDep
 from render_server.http.errors import error_response
 from render_server.http.middleware import route_path
-from render_server.schemas.errors import ApiError, ErrorResponse
+from render_server.http.serving import REQUEST_ERRORS
+from render_server.schemas.errors import ApiError
 from render_server.schemas.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -35,11 +36,6 @@ from render_server.schemas.tokenize import (
 from render_server.templating.chat_template import ChatTemplateError, RequestTemplateNotAllowed
 
 router = APIRouter(tags=["tokenize"])
-
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorResponse, "description": "Invalid request"},
-    404: {"model": ErrorResponse, "description": "Unknown model"},
-}
 
 
 async def _render_chat(state: RenderState, request: TokenizeChatRequest) -> list[int]:
@@ -106,7 +102,7 @@ async def _answer(state: RenderState, request: TokenizeRequest) -> bytes:
     )
 
 
-@router.post("/tokenize", responses=_ERRORS, response_model=TokenizeResponse)
+@router.post("/tokenize", responses=REQUEST_ERRORS, response_model=TokenizeResponse)
 async def tokenize(request: Annotated[TokenizeRequest, Body()], state: StateDep) -> Response:
     """Token ids of a prompt, or of messages rendered through the chat template."""
     return Response(await _answer(state, request), media_type="application/json")
@@ -189,7 +185,7 @@ def _parse(body: bytes) -> TokenizeRequest | None:
         return None
 
 
-@router.post("/detokenize", responses=_ERRORS)
+@router.post("/detokenize", responses=REQUEST_ERRORS)
 async def detokenize(request: DetokenizeRequest, state: StateDep) -> DetokenizeResponse:
     """Text of a list of token ids; special tokens are kept so /tokenize output round-trips."""
     state.check_model(request.model)

@@ -38,6 +38,7 @@ from render_server.generation.sampling_params import (
 from render_server.generation.structured import ConstraintValidator
 from render_server.http.formatter import ResponseFormatter
 from render_server.http.serving import json_response, until_disconnect, worker_error_to_api
+from render_server.parsing.reasoning import get_reasoning_parser
 from render_server.schemas.errors import SERVER_ERROR, ApiError
 from render_server.schemas.generation import SamplingFields
 from render_server.worker_client.pool import WorkerError, WorkerPool
@@ -133,6 +134,33 @@ def new_generation(
         timeout_s=state.settings.request_timeout_s,
         live=state.live_generations,
     )
+
+
+PROMPT_TAIL_TOKENS = 32
+"""How much of a prompt's end is read for a think block the template closed: the last
+turn's generation prompt, never older turns."""
+
+
+def hold_for_reasoning(
+    state: RenderState, constraint: Constraint | None, prompt_ids: list[int]
+) -> Constraint | None:
+    """`constraint` as it applies under the server's reasoning parser: reasoning is free
+    text, so the constraint holds only for the answer after the parser's end tag, unless
+    the prompt closed the reasoning already or --structured-outputs-in-reasoning asks for
+    the constraint from the first token. A render, a direct request and a generate of the
+    rendered ids decide the same way (vLLM's engine decides from the prompt too)."""
+    settings = state.settings
+    if (
+        constraint is None
+        or settings.reasoning_parser is None
+        or settings.structured_outputs_in_reasoning
+    ):
+        return constraint
+    parser = get_reasoning_parser(settings.reasoning_parser)
+    tail = state.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+    if parser.prompt_ends_reasoning(tail):
+        return constraint
+    return msgspec.structs.replace(constraint, start_after=parser.end_tag)
 
 
 def stop_generations(generations: set[Generation]) -> None:

@@ -168,3 +168,19 @@ def test_long_outputs_take_linear_time(name: str, text: str, size: int) -> None:
     reasoning = "".join(delta.reasoning or "" for delta in deltas) or None
     content = "".join(delta.content or "" for delta in deltas) or None
     assert (reasoning, content) == get_reasoning_parser(name)().extract(text)
+
+
+@pytest.mark.parametrize(
+    ("tail", "ended"),
+    [
+        ("<|im_start|>assistant\n", False),
+        ("<|im_start|>assistant\n<think>\n", False),  # R1's template opens it
+        ("<|im_start|>assistant\n<think>\n\n</think>\n\n", True),  # thinking off
+        ("</think>\n<|im_start|>user\nagain<|im_start|>assistant\n<think>\n", False),
+    ],
+)
+def test_a_prompt_ends_reasoning_with_an_end_tag_after_the_last_start(
+    tail: str, ended: bool
+) -> None:
+    for parser in REASONING_PARSERS.values():
+        assert parser.prompt_ends_reasoning(tail) is ended

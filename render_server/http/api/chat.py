@@ -13,11 +13,16 @@ from render_server.generation.lifecycle import Choice, ChoiceDelta, Generation
 from render_server.generation.sampling_params import with_special_tokens
 from render_server.generation.structured import check_constraint, resolve_constraint
 from render_server.http.api.deps import RenderState, StateDep
-from render_server.http.endpoint import admit, constraint_validator, new_generation, respond
+from render_server.http.endpoint import (
+    admit,
+    constraint_validator,
+    hold_for_reasoning,
+    new_generation,
+    respond,
+)
 from render_server.http.formatter import OpenAIFormatter, TokenLookup
 from render_server.http.serving import GENERATION_ERRORS, new_request_id, sse_event, usage_of
 from render_server.parsing.chat_output import ChoiceProcessor
-from render_server.parsing.reasoning import get_reasoning_parser
 from render_server.parsing.tool_choice import ToolPlan, plan_tools
 from render_server.schemas.errors import ApiError
 from render_server.schemas.generation import ChatCompletionRequest
@@ -92,10 +97,8 @@ async def _constraint(
     state: RenderState,
     body: ChatCompletionRequest,
     plan: ToolPlan,
-    thinking: bool,
 ) -> Constraint | None:
-    """The request's structured-output constraint, or the tool choice's; held off until
-    reasoning ended when a reasoning parser splits it off."""
+    """The request's structured-output constraint, or the tool choice's."""
     constraint = await resolve_constraint(constraint_validator(request, state.tokenizer), body)
     if plan.constraint is not None:
         if constraint is not None:
@@ -108,16 +111,6 @@ async def _constraint(
         constraint = await check_constraint(
             constraint_validator(request, state.tokenizer), plan.constraint, "tools"
         )
-    settings = state.settings
-    if (
-        constraint is not None
-        and settings.reasoning_parser is not None
-        and thinking
-        and not settings.structured_outputs_in_reasoning
-    ):
-        # Reasoning is free text: the constraint holds only for the answer after it.
-        end_tag = get_reasoning_parser(settings.reasoning_parser).end_tag
-        constraint = msgspec.structs.replace(constraint, start_after=end_tag)
     return constraint
 
 
@@ -146,8 +139,11 @@ async def prepare_chat(
         tool_call_parser=setup.parser_name,
     )
     thinking = (body.chat_template_kwargs or {}).get("enable_thinking", True) is not False
-    constraint = await _constraint(request, state, body, plan, thinking)
+    constraint = await _constraint(request, state, body, plan)
     prompt_ids = await _render(state, body, plan.tools, setup.uses_builtin_template)
+    if thinking:
+        # Told not to think, the model's whole output is the answer it constrains.
+        constraint = hold_for_reasoning(state, constraint, prompt_ids)
     return ChatPrompt(plan, thinking, constraint, prompt_ids)
 
 

@@ -18,7 +18,13 @@ from fastapi.responses import Response
 from render_server.generation.lifecycle import Choice, ChoiceDelta, Generation
 from render_server.generation.structured import resolve_constraint
 from render_server.http.api.deps import RenderState, StateDep
-from render_server.http.endpoint import admit, constraint_validator, new_generation, respond
+from render_server.http.endpoint import (
+    admit,
+    constraint_validator,
+    hold_for_reasoning,
+    new_generation,
+    respond,
+)
 from render_server.http.formatter import MIN_LOGPROB, OpenAIFormatter
 from render_server.http.serving import GENERATION_ERRORS
 from render_server.schemas.errors import ApiError
@@ -50,6 +56,7 @@ async def generate(body: GenerateRequest, request: Request, state: StateDep) -> 
         constraint = await resolve_constraint(
             constraint_validator(request, state.tokenizer), fields
         )
+        constraint = hold_for_reasoning(state, constraint, body.token_ids)
         generation = new_generation(
             state,
             pool,

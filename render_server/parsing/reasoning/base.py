@@ -50,6 +50,14 @@ class ReasoningParser:
     # before the end tag is reasoning even without a start tag.
     requires_start_tag: ClassVar[bool] = True
 
+    @classmethod
+    def prompt_ends_reasoning(cls, prompt_tail: str) -> bool:
+        """Whether the prompt (its last turn, as text) closed the reasoning already: an end
+        tag after the last start tag, as a template that renders thinking off writes an
+        empty think block. vLLM's reasoning parsers answer the same from prompt ids."""
+        end = prompt_tail.rfind(cls.end_tag)
+        return end >= 0 and end > prompt_tail.rfind(cls.start_tag)
+
     def __init__(self, *, enable_thinking: bool = True) -> None:
         self.enable_thinking = enable_thinking
         self._state = _State.OPENING if enable_thinking else _State.CONTENT

@@ -62,8 +62,19 @@ def is_json_content_type(content_type: str | None) -> bool:
     )
 
 
+_SCALAR_UNION_TAGS = frozenset({"str", "int", "float", "bool", "none"})
+
+
+def _is_union_tag(part: Any) -> bool:
+    """A step pydantic adds to a location for the member of a union it tried (`str`,
+    `list[int]`, `constrained-int`): a type, not a field of the request."""
+    if not isinstance(part, str):
+        return False
+    return part in _SCALAR_UNION_TAGS or any(mark in part for mark in "<[-")
+
+
 def _param_path(loc: Sequence[Any]) -> list[str]:
-    parts = [str(part) for part in loc if not (isinstance(part, str) and part.startswith("<"))]
+    parts = [str(part) for part in loc if not _is_union_tag(part)]
     if parts and parts[0] in _LOCATION_ROOTS:
         parts = parts[1:]
     return parts

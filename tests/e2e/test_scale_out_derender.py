@@ -157,6 +157,31 @@ def _generated(token_ids: list[int], **choice: Any) -> dict[str, Any]:
             {"generate_responses": [_generated([1])], "prompt_token_ids": [[1], [2]]},
             "generate_responses",
         ),
+        # Numbers written back into the answer: past 64 bits they could not be encoded.
+        (
+            "/v1/chat/completions/derender",
+            {
+                "generate_response": _generated([1], stop_reason=2**64),
+                "prompt_token_ids": [1],
+            },
+            "generate_response.choices.0.stop_reason",
+        ),
+        (
+            "/v1/chat/completions/derender",
+            {
+                "generate_response": _generated([1])
+                | {
+                    "usage": {
+                        "prompt_tokens": 1,
+                        "completion_tokens": 1,
+                        "total_tokens": 2,
+                        "prompt_tokens_details": {"cached_tokens": 2**70},
+                    }
+                },
+                "prompt_token_ids": [1],
+            },
+            "generate_response.usage.prompt_tokens_details.cached_tokens",
+        ),
     ],
 )
 def test_bad_generated_output_is_a_400(

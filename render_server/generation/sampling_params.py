@@ -7,7 +7,7 @@ import msgspec
 
 from render_server.generation.lifecycle import ChoiceSpec
 from render_server.schemas.errors import ApiError
-from render_server.schemas.generation import SamplingFields
+from render_server.schemas.generation import DISTRIBUTION_FIELDS, SamplingFields
 from render_server.schemas.vllm_fields import UNSUPPORTED_FIELDS
 from render_server.templating.tokenizer import Tokenizer
 from shared.model_card import ModelCard
@@ -134,17 +134,7 @@ def build_choices(
     if body.seed is not None and not INT64_MIN <= body.seed <= INT64_MAX - max_n:
         raise ApiError(400, "seed must fit in a signed 64-bit integer.", param="seed")
     fields: dict[str, object] = {
-        name: getattr(body, name)
-        for name in (
-            "temperature",
-            "top_p",
-            "top_k",
-            "min_p",
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-        )
-        if getattr(body, name) is not None
+        name: getattr(body, name) for name in DISTRIBUTION_FIELDS if getattr(body, name) is not None
     }
     try:
         base = SamplingParams(

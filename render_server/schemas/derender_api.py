@@ -19,7 +19,7 @@ from render_server.schemas.generation import (
     ChatCompletionRequest,
     CompletionRequest,
 )
-from render_server.schemas.vllm_fields import MAX_REQUEST_ID_CHARS
+from render_server.schemas.vllm_fields import RequestIdText
 from shared.sampling import INT64_MAX, INT64_MIN, MAX_TOKENS_LIMIT
 
 MAX_DERENDER_CHOICES = 128
@@ -125,7 +125,7 @@ class DerenderStreamState(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    request_id: str = Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS)
+    request_id: RequestIdText
     created: Count
     prompt_token_ids: list[PromptIds] = Field(min_length=1, max_length=MAX_DERENDER_PROMPTS)
     """Each prompt (a chat has one)."""

@@ -15,9 +15,19 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from render_server.schemas.body import JsonBody
-from render_server.schemas.generation import MAX_COMPLETION_LOGPROBS, SamplingFields, StreamOptions
+from render_server.schemas.generation import (
+    DISTRIBUTION_FIELDS,
+    CompletionLogprobs,
+    SamplingFields,
+    StreamOptions,
+    check_streaming_fields,
+)
 from render_server.schemas.responses import PromptLogprobs, Usage
-from render_server.schemas.vllm_fields import MAX_CACHE_SALT_CHARS, MAX_REQUEST_ID_CHARS
+from render_server.schemas.vllm_fields import (
+    MAX_CACHE_SALT_CHARS,
+    MAX_REQUEST_ID_CHARS,
+    RequestIdText,
+)
 from shared.sampling import INT64_MAX, INT64_MIN, MAX_TOKENS_LIMIT
 
 MAX_ABORT_IDS = 1024
@@ -25,14 +35,8 @@ MAX_ABORT_IDS = 1024
 
 GENERATE_SAMPLING_FIELDS = frozenset(
     {
+        *DISTRIBUTION_FIELDS,
         "n",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
         "seed",
         "max_tokens",
         "min_tokens",
@@ -61,7 +65,7 @@ class GenerateSamplingParams(SamplingFields):
 
     model_config = ConfigDict(extra="forbid")
 
-    logprobs: int | None = None
+    logprobs: CompletionLogprobs | None = None
     """Top alternatives per sampled token (0: the sampled token's own logprob only)."""
 
     @model_validator(mode="before")
@@ -86,13 +90,6 @@ class GenerateSamplingParams(SamplingFields):
             return {str(key): value for key, value in bias.items()}
         return bias
 
-    @field_validator("logprobs")
-    @classmethod
-    def _check_logprobs(cls, logprobs: int | None) -> int | None:
-        if logprobs is not None and not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
-            raise ValueError(f"must be in [0, {MAX_COMPLETION_LOGPROBS}].")
-        return logprobs
-
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
@@ -102,7 +99,7 @@ class GenerateRequest(JsonBody):
 
     model_config = ConfigDict(extra="ignore")
 
-    request_id: str | None = Field(default=None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)
+    request_id: RequestIdText | None = None
     """The client's id of this request: the response carries it, and
     /inference/v1/abort_requests names it (printable ASCII). Unset: the server's id."""
     token_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1, max_length=MAX_TOKENS_LIMIT)
@@ -116,26 +113,14 @@ class GenerateRequest(JsonBody):
     features: None = None
     """Multimodal features: none are supported, so only null is accepted."""
 
-    @field_validator("request_id")
-    @classmethod
-    def _check_request_id(cls, request_id: str | None) -> str | None:
-        if request_id is not None and not (request_id.isascii() and request_id.isprintable()):
-            raise ValueError("must be printable ASCII.")
-        return request_id
-
     @model_validator(mode="after")
     def _check_stream_options(self) -> GenerateRequest:
-        options = self.stream_options
-        if options is not None and options.model_fields_set and not self.stream:
-            raise PydanticCustomError(
-                "invalid_field", "only allowed when stream is true.", {"param": "stream_options"}
-            )
-        if self.sampling_params.prompt_logprobs is not None and self.stream:
-            raise PydanticCustomError(
-                "invalid_field",
-                "not available when stream is true.",
-                {"param": "sampling_params.prompt_logprobs"},
-            )
+        check_streaming_fields(
+            self.stream,
+            self.stream_options,
+            self.sampling_params.prompt_logprobs,
+            prompt_logprobs_param="sampling_params.prompt_logprobs",
+        )
         return self
 
     def sampling_fields(self) -> SamplingFields:

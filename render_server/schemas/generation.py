@@ -24,6 +24,8 @@ MAX_STOP_STRING_CHARS = 256
 MAX_CHAT_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 20
 MAX_PROMPTS = 64
+CompletionLogprobs = Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)]
+"""A completion's `logprobs`: top alternatives per token (0: the sampled token only)."""
 
 StopField = Annotated[
     str | list[str] | None,
@@ -73,6 +75,19 @@ class StructuredOutputsField(BaseModel):
     disable_additional_properties: bool = False
     """vLLM's backend options: refused when set to anything but their defaults (the
     grammar engine has one whitespace rule and no fallback backend to disable)."""
+
+
+DISTRIBUTION_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+"""The fields that reshape the next-token distribution, named as vLLM's SamplingParams
+names them too."""
 
 
 class SamplingFields(VllmFields):
@@ -130,12 +145,7 @@ class SamplingFields(VllmFields):
 
     @model_validator(mode="after")
     def _check_streaming_fields(self) -> SamplingFields:
-        # As vLLM: options of a stream need a stream, and prompt logprobs are not streamed.
-        options = self.stream_options
-        if options is not None and options.model_fields_set and not self.stream:
-            raise _field_error("stream_options", "only allowed when stream is true.")
-        if self.prompt_logprobs is not None and self.stream:
-            raise _field_error("prompt_logprobs", "not available when stream is true.")
+        check_streaming_fields(self.stream, self.stream_options, self.prompt_logprobs)
         return self
 
     @field_validator("stop")
@@ -239,7 +249,7 @@ class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
     prompt: Prompt
-    logprobs: int | None = None
+    logprobs: CompletionLogprobs | None = None
     echo: bool = False
     add_special_tokens: bool = True
     suffix: str | None = None
@@ -259,13 +269,6 @@ class CompletionRequest(SamplingFields):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
-    @field_validator("logprobs")
-    @classmethod
-    def _check_logprobs(cls, logprobs: int | None) -> int | None:
-        if logprobs is not None and not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
-            raise ValueError(f"must be in [0, {MAX_COMPLETION_LOGPROBS}].")
-        return logprobs
-
     def prompt_texts(self) -> list[str] | None:
         """The prompts as strings, or None when they are token ids."""
         prompt = self.prompt
@@ -281,6 +284,20 @@ class CompletionRequest(SamplingFields):
         if isinstance(prompt[0], int):
             return [[t for t in prompt if isinstance(t, int)]]
         return [list(ids) for ids in prompt if isinstance(ids, list)]
+
+
+def check_streaming_fields(
+    stream: bool,
+    options: StreamOptions | None,
+    prompt_logprobs: int | None,
+    *,
+    prompt_logprobs_param: str = "prompt_logprobs",
+) -> None:
+    """As vLLM: options of a stream need a stream, and prompt logprobs are not streamed."""
+    if options is not None and options.model_fields_set and not stream:
+        raise _field_error("stream_options", "only allowed when stream is true.")
+    if prompt_logprobs is not None and stream:
+        raise _field_error(prompt_logprobs_param, "not available when stream is true.")
 
 
 def _field_error(param: str, message: str) -> PydanticCustomError:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import Field, field_validator
+from pydantic import AfterValidator, Field, field_validator
 
 from render_server.schemas.body import JsonBody
 from shared.sampling import MAX_ALLOWED_TOKEN_IDS, MAX_LOGPROBS
@@ -23,13 +23,25 @@ MAX_BAD_WORD_CHARS = 256
 XargValue = str | int | float | list[str | int | float]
 
 
+def _printable_ascii(text: str) -> str:
+    if not (text.isascii() and text.isprintable()):
+        raise ValueError("must be printable ASCII.")
+    return text
+
+
+RequestIdText = Annotated[
+    str, Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS), AfterValidator(_printable_ascii)
+]
+"""A client's request id: it ends up in response ids, worker request ids and logs."""
+
+
 class VllmFields(JsonBody):
     """vLLM's extra sampling and request fields."""
 
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     """Salts the prefix-cache hashes: requests share cached blocks only when their salts
     are equal (and, under --prefix-cache-isolation per-key, their API keys too)."""
-    request_id: str | None = Field(default=None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)
+    request_id: RequestIdText | None = None
     """The response id's suffix and the worker request ids' prefix (printable ASCII);
     requests may share one."""
     truncate_prompt_tokens: int | None = None
@@ -59,13 +71,6 @@ class VllmFields(JsonBody):
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
     structural_tag: str | None = None
-
-    @field_validator("request_id")
-    @classmethod
-    def _check_request_id(cls, request_id: str | None) -> str | None:
-        if request_id is not None and not (request_id.isascii() and request_id.isprintable()):
-            raise ValueError("must be printable ASCII.")
-        return request_id
 
     @field_validator("truncate_prompt_tokens")
     @classmethod

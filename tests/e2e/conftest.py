@@ -23,7 +23,7 @@ from tests.helpers.processes import (
 )
 
 # Re-exported: e2e and unit test modules import the worker helpers from here.
-__all__ = ["WorkerProcess", "start_render", "start_worker"]
+__all__ = ["WorkerProcess", "running_render", "start_render", "start_worker"]
 
 
 def start_render(
@@ -41,9 +41,12 @@ def _running_worker(directory: Path) -> Iterator[WorkerProcess]:
     stop_worker(worker)
 
 
-def _running_render(workers: list[WorkerProcess], directory: Path) -> Iterator[ServerProcess]:
+def running_render(
+    workers: list[WorkerProcess], directory: Path, extra_args: list[str] | None = None
+) -> Iterator[ServerProcess]:
     """A fixture body: render-serve over `workers`, logging under `directory`."""
-    server = start_render([worker.address for worker in workers], directory / "render.log")
+    addresses = [worker.address for worker in workers]
+    server = start_render(addresses, directory / "render.log", extra_args)
     yield server
     stop_server(server)
 
@@ -62,21 +65,21 @@ def worker_b(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess
 def render(
     worker_a: WorkerProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    yield from _running_render([worker_a], tmp_path_factory.mktemp("render"))
+    yield from running_render([worker_a], tmp_path_factory.mktemp("render"))
 
 
 @pytest.fixture(scope="session")
 def render_b(
     worker_a: WorkerProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    yield from _running_render([worker_a], tmp_path_factory.mktemp("render-b"))
+    yield from running_render([worker_a], tmp_path_factory.mktemp("render-b"))
 
 
 @pytest.fixture(scope="session")
 def render_pair(
     worker_a: WorkerProcess, worker_b: WorkerProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    yield from _running_render([worker_a, worker_b], tmp_path_factory.mktemp("render-pair"))
+    yield from running_render([worker_a, worker_b], tmp_path_factory.mktemp("render-pair"))
 
 
 @pytest.fixture(scope="session")

@@ -87,23 +87,29 @@ def stream_chat(
     text, the last finish_reason and the in-stream errors."""
     text, finish, errors = [], None, []
     body = chat_body(prompt, max_tokens, True)
+    for event in _stream_events(server, "/v1/chat/completions", body, timeout_s):
+        if "error" in event:
+            errors.append(event["error"])
+            continue
+        for choice in event["choices"]:
+            if choice["delta"].get("content"):
+                text.append(choice["delta"]["content"])
+                started.set()
+            finish = choice.get("finish_reason") or finish
+    return {"text": "".join(text), "finish": finish, "errors": errors}
+
+
+def _stream_events(
+    server: ServerProcess, path: str, body: dict, timeout_s: float
+) -> Iterator[dict]:
+    """The decoded data events of one streamed POST, up to `[DONE]`."""
     with (
         httpx.Client(base_url=server.base_url, timeout=timeout_s) as http,
-        http.stream("POST", "/v1/chat/completions", json=body) as response,
+        http.stream("POST", path, json=body) as response,
     ):
         for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                errors.append(event["error"])
-                continue
-            for choice in event["choices"]:
-                if choice["delta"].get("content"):
-                    text.append(choice["delta"]["content"])
-                    started.set()
-                finish = choice.get("finish_reason") or finish
-    return {"text": "".join(text), "finish": finish, "errors": errors}
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
 
 
 def test_kill_a_worker_mid_stream_every_stream_completes_identically(cluster) -> None:
@@ -224,21 +230,14 @@ def _stream_generate(server: ServerProcess, token_ids: list[int], started: threa
     body = {"token_ids": token_ids, "sampling_params": sampling, "stream": True}
     ids: list[int] = []
     finish, errors = None, []
-    with (
-        httpx.Client(base_url=server.base_url, timeout=120) as http,
-        http.stream("POST", "/inference/v1/generate", json=body) as response,
-    ):
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                errors.append(event["error"])
-                continue
-            for choice in event["choices"]:
-                ids.extend(choice["token_ids"])
-                started.set()
-                finish = choice.get("finish_reason") or finish
+    for event in _stream_events(server, "/inference/v1/generate", body, 120):
+        if "error" in event:
+            errors.append(event["error"])
+            continue
+        for choice in event["choices"]:
+            ids.extend(choice["token_ids"])
+            started.set()
+            finish = choice.get("finish_reason") or finish
     return {"token_ids": ids, "finish": finish, "errors": errors}
 
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.e2e.conftest import start_render, start_worker
+from tests.e2e.conftest import running_render, start_render, start_worker
 from tests.helpers.processes import ServerProcess, WorkerProcess, stop_server, stop_worker
 from tests.helpers.waiting import wait_until
 
@@ -44,9 +44,7 @@ def start_render_with(
     worker: WorkerProcess, directory: Path, args: list[str]
 ) -> Iterator[ServerProcess]:
     keys = ["--api-key", KEY_A, "--api-key", KEY_B]
-    server = start_render([worker.address], directory / "render.log", [*keys, *args])
-    yield server
-    stop_server(server)
+    yield from running_render([worker], directory, [*keys, *args])
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import WorkerProcess, start_render
+from tests.e2e.conftest import WorkerProcess, running_render
 from tests.e2e.test_scale_out_derender import (
     _comparable,
     _derender_stream,
@@ -20,7 +20,7 @@ from tests.e2e.test_scale_out_derender import (
     _sse,
 )
 from tests.e2e.test_scale_out_render import MESSAGES, WEATHER
-from tests.helpers.processes import ServerProcess, stop_server
+from tests.helpers.processes import ServerProcess
 
 PARSERS = ["--chat-template", "chatml_tools", "--enable-auto-tool-choice"]
 PARSERS += ["--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
@@ -56,17 +56,11 @@ THINKING: dict[str, Any] = {
 }
 
 
-def _server(worker: WorkerProcess, log: Any, *extra: str) -> Iterator[ServerProcess]:
-    server = start_render([worker.address], log, [*PARSERS, *extra])
-    yield server
-    stop_server(server)
-
-
 @pytest.fixture(scope="module")
 def parsers(
     worker_a: WorkerProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    yield from _server(worker_a, tmp_path_factory.mktemp("parsers") / "render.log")
+    yield from running_render([worker_a], tmp_path_factory.mktemp("parsers"), PARSERS)
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +68,8 @@ def reasoning(
     worker_a: WorkerProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
     """Constraints hold in the reasoning too, so a regex makes the model think."""
-    log = tmp_path_factory.mktemp("reasoning") / "render.log"
-    yield from _server(worker_a, log, "--structured-outputs-in-reasoning")
+    args = [*PARSERS, "--structured-outputs-in-reasoning"]
+    yield from running_render([worker_a], tmp_path_factory.mktemp("reasoning"), args)
 
 
 def _round_trip(server: ServerProcess, chat: dict[str, Any]) -> dict[str, Any]:

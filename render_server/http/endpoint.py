@@ -37,6 +37,7 @@ from render_server.generation.sampling_params import (
 )
 from render_server.generation.structured import ConstraintValidator
 from render_server.http.formatter import ResponseFormatter
+from render_server.http.middleware import presented_api_key
 from render_server.http.serving import json_response, until_disconnect, worker_error_to_api
 from render_server.parsing.reasoning import get_reasoning_parser
 from render_server.schemas.errors import SERVER_ERROR, ApiError
@@ -171,16 +172,24 @@ def stop_generations(generations: set[Generation]) -> None:
         generation.stop(error)
 
 
+def tenant_id(request: Request) -> str:
+    """Who the request is for: a digest of its API key when keys are configured (the key
+    itself never leaves this process), "" for the one tenant of a server without keys.
+    Stored responses and, under per-key isolation, prefix-cache salts are per tenant."""
+    state: RenderState = request.app.state.render
+    if not state.settings.api_keys:
+        return ""
+    token = presented_api_key(request.scope["headers"]) or b""
+    return hashlib.sha256(b"duet-tenant\0" + token).hexdigest()
+
+
 def tenant_cache_salt(request: Request) -> str | None:
     """Under --prefix-cache-isolation per-key, the prefix-cache salt of the request's
-    tenant: a digest of its API key (the key itself never leaves this process)."""
+    tenant."""
     state: RenderState = request.app.state.render
     if state.settings.prefix_cache_isolation != "per-key":
         return None
-    scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
-    if scheme.lower() != "bearer":
-        return None  # not reached: the key check admits only Bearer tokens
-    return hashlib.sha256(b"duet-tenant\0" + token.strip().encode()).hexdigest()
+    return tenant_id(request)
 
 
 def request_cache_salt(request: Request, salt: str | None) -> str | None:

@@ -290,6 +290,19 @@ class LimitsMiddleware:
             await send_error(send, 413, str(exc.detail), code="request_too_large")
 
 
+def presented_api_key(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
+    """The API key a request presents: `Authorization: Bearer <key>` (OpenAI's clients)
+    or `x-api-key: <key>` (Anthropic's); None without one, or with another scheme."""
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, token = value.strip().partition(b" ")
+            return token.strip() if scheme.lower() == b"bearer" else None
+    for name, value in headers:
+        if name == b"x-api-key":
+            return value.strip()
+    return None
+
+
 class ApiKeyMiddleware:
     """Default-deny Bearer-token check: every path but PUBLIC_PATHS needs a valid key.
 
@@ -304,17 +317,14 @@ class ApiKeyMiddleware:
         self._unauthorized = [(b"www-authenticate", b"Bearer")]
 
     def _is_authorized(self, headers: Sequence[tuple[bytes, bytes]]) -> bool:
-        for name, value in headers:
-            if name == b"authorization":
-                scheme, _, token = value.strip().partition(b" ")
-                if scheme.lower() != b"bearer":
-                    return False
-                presented = hashlib.sha256(token.strip()).digest()
-                matched = False
-                for digest in self._digests:
-                    matched |= hmac.compare_digest(presented, digest)
-                return matched
-        return False
+        token = presented_api_key(headers)
+        if token is None:
+            return False
+        presented = hashlib.sha256(token).digest()
+        matched = False
+        for digest in self._digests:
+            matched |= hmac.compare_digest(presented, digest)
+        return matched
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -331,7 +341,8 @@ class ApiKeyMiddleware:
         await send_error(
             send,
             401,
-            "Missing or invalid API key: send it as `Authorization: Bearer <key>`.",
+            "Missing or invalid API key: send it as `Authorization: Bearer <key>` "
+            "(or `x-api-key: <key>`).",
             code="invalid_api_key",
             headers=self._unauthorized,
         )

@@ -37,6 +37,7 @@ ALLOWED: dict[str, set[str]] = {
         "render_server.parsing",
         "render_server.schemas",
         "render_server.settings",
+        "render_server.store",
         "render_server.templating",
         "render_server.worker_client",
         "shared",
@@ -51,6 +52,7 @@ ALLOWED: dict[str, set[str]] = {
     "render_server.parsing": {"render_server.schemas", "shared"},
     "render_server.templating": {"shared"},
     "render_server.worker_client": {"shared"},
+    "render_server.store": {"shared"},
     "render_server.schemas": {"shared"},
     # GPU tier, top down.
     "gpu_worker.cli": {

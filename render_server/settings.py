@@ -148,6 +148,23 @@ class RenderSettings(BaseSettings):
     enable_in_reasoning); by default, with a reasoning parser, they hold only for the
     answer after it."""
 
+    # -- Responses API -------------------------------------------------------------------
+    response_store: Annotated[str, Flag(section="Responses API", metavar="URL")] = "memory://"
+    """Where stored responses (`store: true`, previous_response_id) live: memory:// in
+    this process, or redis://HOST:PORT/DB shared by every render process and node (needed
+    with --processes above 1 or several render nodes)."""
+    response_store_ttl_s: float = Field(default=24 * 3600.0, gt=0)
+    """Seconds a stored response is kept."""
+    response_store_max_bytes: Annotated[int, Flag(metavar="BYTES")] = Field(
+        default=256 * 1024 * 1024, gt=0
+    )
+    """Bytes of responses the memory store holds; past it the oldest go first (Redis:
+    its own maxmemory policy bounds it)."""
+    response_store_max_record_bytes: Annotated[int, Flag(metavar="BYTES")] = Field(
+        default=16 * 1024 * 1024, gt=0
+    )
+    """Largest stored response (its input history and output together)."""
+
     # -- HTTP ----------------------------------------------------------------------------
     host: Annotated[str, Flag(section="HTTP")] = "127.0.0.1"
     """Address to bind; loopback unless the operator opens it up."""

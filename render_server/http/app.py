@@ -28,6 +28,7 @@ from render_server.http.middleware import (
     RequestContextMiddleware,
 )
 from render_server.settings import RenderSettings
+from render_server.store import open_store
 from render_server.templating.chat_template import ChatRenderer
 from render_server.templating.templates import read_chat_template
 from render_server.templating.token_text import TokenText
@@ -116,6 +117,12 @@ def build_state(settings: RenderSettings) -> RenderState:
         workers=workers,
         discovery=discovery,
         admission=Admission(settings.max_pending, settings.write_timeout_s),
+        response_store=open_store(
+            settings.response_store,
+            ttl_s=settings.response_store_ttl_s,
+            max_bytes=settings.response_store_max_bytes,
+            max_record_bytes=settings.response_store_max_record_bytes,
+        ),
     )
 
 
@@ -141,6 +148,8 @@ def _lifespan(state: RenderState, owns_state: bool) -> Lifespan:
                 await state.discovery.close()
             if state.workers is not None:
                 await state.workers.close()
+            if state.response_store is not None:
+                await state.response_store.close()
             if owns_state:  # a state passed in belongs to the caller, who closes it
                 state.renderer.close()
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from render_server.generation.lifecycle import Generation
     from render_server.generation.metrics import GenerationMetrics
     from render_server.http.admission import Admission
+    from render_server.store import ResponseStore
     from render_server.templating.chat_template import ChatRenderer
     from render_server.templating.token_text import TokenText
     from render_server.templating.tokenizer import Tokenizer
@@ -56,6 +57,9 @@ class RenderState:
     """Keeps `workers` in step with --worker-dns; None without it."""
     live_generations: set[Generation] = field(default_factory=set)
     """Generations started and not yet closed (a drain that runs out of time stops them)."""
+    response_store: ResponseStore | None = None
+    """Stored Responses API responses (set by build_state; shared across processes when
+    --response-store is redis://)."""
     generate_requests: dict[str, set[Generation]] = field(default_factory=dict)
     """Open /inference/v1/generate requests by the client's request_id (ids may repeat),
     for /inference/v1/abort_requests."""

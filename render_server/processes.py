@@ -55,6 +55,15 @@ _BACKLOG = 2048  # uvicorn's default
 def serve_processes(settings: RenderSettings) -> int:
     """Serve with `settings.processes` render processes until a signal stops them all.
     Returns the exit code: 0 when every child drained and exited cleanly."""
+    if settings.response_store == "memory://":
+        # A warning rather than a refusal: most clients never store a response, and
+        # those that do learn why a follow-up got 404 from this line.
+        logger.warning(
+            "stored responses are per process: each of the %d render processes keeps its "
+            "own, so a retrieve or previous_response_id that reaches another process gets "
+            "404; share them with --response-store redis://HOST:PORT/DB",
+            settings.processes,
+        )
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
     try:
         listener = socket.create_server(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -149,10 +150,13 @@ class RenderSettings(BaseSettings):
     answer after it."""
 
     # -- Responses API -------------------------------------------------------------------
-    response_store: Annotated[str, Flag(section="Responses API", metavar="URL")] = "memory://"
+    response_store: Annotated[str, Flag(section="Responses API", metavar="URL")] = Field(
+        default="memory://",
+        repr=False,  # a redis URL may carry a password
+    )
     """Where stored responses (`store: true`, previous_response_id) live: memory:// in
-    this process, or redis://HOST:PORT/DB shared by every render process and node (needed
-    with --processes above 1 or several render nodes)."""
+    this process, or redis://HOST:PORT/DB (rediss:// for TLS) shared by every render
+    process and node (needed with --processes above 1 or several render nodes)."""
     response_store_ttl_s: float = Field(default=24 * 3600.0, gt=0)
     """Seconds a stored response is kept."""
     response_store_max_bytes: Annotated[int, Flag(metavar="BYTES")] = Field(
@@ -164,6 +168,27 @@ class RenderSettings(BaseSettings):
         default=16 * 1024 * 1024, gt=0
     )
     """Largest stored response (its input history and output together)."""
+
+    @field_validator("response_store")
+    @classmethod
+    def _store_url(cls, url: str) -> str:
+        # Fail at startup, not on the first stored response. The messages name the URL's
+        # parts, never the URL: it may carry a password.
+        if url == "memory://":
+            return url
+        parts = urlsplit(url)
+        if parts.scheme not in ("redis", "rediss"):
+            raise ValueError("use memory:// or redis://HOST:PORT/DB (rediss:// for TLS)")
+        try:
+            parts.port  # noqa: B018 (parsed on access: a ValueError when not a port)
+        except ValueError:
+            raise ValueError("the port of the redis URL is not a number from 0 to 65535") from None
+        if not parts.hostname:
+            raise ValueError("the redis URL names no host")
+        database = parts.path.removeprefix("/")
+        if database and not database.isdigit():
+            raise ValueError("the database of the redis URL (its path) must be a number")
+        return url
 
     # -- HTTP ----------------------------------------------------------------------------
     host: Annotated[str, Flag(section="HTTP")] = "127.0.0.1"

@@ -11,12 +11,19 @@ cancellations to whichever process runs the response:
     record = await store.get(tenant, response_id)          # None: unknown or expired
     async with store.running(tenant, response_id) as cancelled:   # an asyncio.Event
         ...                                 # set when any process asks to cancel it
-    found = await store.cancel(tenant, response_id)          # reaches the runner
+    await store.cancel(tenant, response_id)                  # reaches the runner
     await store.delete(tenant, response_id)
     await store.close()
 
 Tenants never see each other's records: a record is found only under the tenant it was
 stored for (`http.endpoint.tenant_id`).
+
+Two implementations: `MemoryStore` (memory.py), the default, holds records in the one
+process (each of `--processes N` would have its own, so the server warns); `RedisStore`
+(redis.py, `--response-store redis://HOST:PORT/DB` or `rediss://`) keeps them in a Redis
+that every process and node shares, expired by Redis after the TTL, and carries cancels
+over a pub/sub channel. A store that cannot be reached raises `StoreError` (a 503);
+a record over `--response-store-max-record-bytes` raises `RecordTooLarge` (a 400).
 """
 
 from __future__ import annotations
@@ -26,10 +33,17 @@ from render_server.store.memory import MemoryStore
 
 
 def open_store(url: str, *, ttl_s: float, max_bytes: int, max_record_bytes: int) -> ResponseStore:
-    """The store `url` names: memory:// (this process) or redis://host:port/db."""
+    """The store `url` names: memory:// (this process) or redis[s]://host:port/db. Opening
+    connects to nothing yet: a Redis store connects on its first call."""
     if url == "memory://":
         return MemoryStore(ttl_s, max_bytes, max_record_bytes)
-    raise ValueError(f"unknown response store {url!r}: use memory:// or redis://HOST:PORT/DB")
+    if url.startswith(("redis://", "rediss://")):
+        # Imported here: a server on the memory store never loads the redis client.
+        from render_server.store.redis import RedisStore
+
+        return RedisStore(url, ttl_s, max_record_bytes)
+    # The URL is not echoed: it may hold a password.
+    raise ValueError("unknown response store: use memory:// or redis[s]://HOST:PORT/DB")
 
 
 __all__ = ["MemoryStore", "RecordTooLarge", "ResponseStore", "StoreError", "open_store"]

@@ -1,12 +1,16 @@
-"""Every error leaves the server as `{"error": {"message", "type", "param", "code"}}`.
+"""Every error leaves the server as `{"error": {"message", "type", "param", "code"}}`,
+but on Anthropic's routes (/v1/messages...), whose clients read
+`{"type": "error", "error": {"type", "message"}}` with Anthropic's error types.
 
 Routes raise `ApiError`; FastAPI's own errors (unknown route, wrong method, invalid JSON,
 validation) are translated by the handlers installed here; the ASGI middlewares build
-their bodies with `error_body`. Nothing here ever puts a traceback in a response.
+their bodies with `error_body` (or `anthropic_error_body`, which `send_error` picks by
+route). Nothing here ever puts a traceback in a response.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -50,6 +54,62 @@ def error_response(
     return JSONResponse(
         ErrorResponse(error=info).model_dump(), status_code=status_code, headers=headers
     )
+
+
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def is_anthropic_route(path: str) -> bool:
+    """Whether `path` (as the router matches it) is one of the Messages API's."""
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
+_ANTHROPIC_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error_type(status_code: int) -> str:
+    """Anthropic's error type for a status: its SDKs and agents branch on it."""
+    default = "api_error" if status_code >= 500 else "invalid_request_error"
+    return _ANTHROPIC_TYPES.get(status_code, default)
+
+
+def anthropic_error(status_code: int, message: str) -> dict[str, object]:
+    """Anthropic's error body, as a stream's `event: error` carries it too."""
+    return {
+        "type": "error",
+        "error": {"type": anthropic_error_type(status_code), "message": message},
+    }
+
+
+def anthropic_error_body(status_code: int, message: str) -> bytes:
+    """Serialized Anthropic error body, for the ASGI middlewares."""
+    return json.dumps(anthropic_error(status_code, message), separators=(",", ":")).encode()
+
+
+def _error_for(
+    request: Request,
+    status_code: int,
+    info: ErrorInfo,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    """The error response in the shape of the API `request` called."""
+    path: str = request.scope["path"]
+    # As the router matches it: behind a proxy's root_path, scope["path"] starts with it.
+    if is_anthropic_route(path.removeprefix(request.scope.get("root_path", ""))):
+        return JSONResponse(
+            anthropic_error(status_code, info.message), status_code=status_code, headers=headers
+        )
+    return error_response(status_code, info, headers)
 
 
 def is_json_content_type(content_type: str | None) -> bool:
@@ -125,7 +185,7 @@ _HTTP_CODES: dict[int, str] = {
 
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
-    return error_response(exc.status_code, exc.info, exc.headers)
+    return _error_for(request, exc.status_code, exc.info, exc.headers)
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
@@ -145,13 +205,13 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
         code = "invalid_json"
     kind = SERVER_ERROR if status >= 500 else INVALID_REQUEST
     info = ErrorInfo(message=message, type=kind, code=code)
-    return error_response(status, info, exc.headers)
+    return _error_for(request, status, info, exc.headers)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     info = validation_error_info(exc.errors(), request.headers.get("content-type"))
-    return error_response(400, info)
+    return _error_for(request, 400, info)
 
 
 async def _client_disconnected(request: Request, exc: Exception) -> Response:
@@ -165,11 +225,11 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     # Reached only if an exception escapes RequestContextMiddleware, which normally
     # answers 500s itself (so they carry the request id).
     logger.error("unhandled error", exc_info=exc)
-    return error_response(500, ErrorInfo(message="Internal server error.", type=SERVER_ERROR))
+    return _error_for(request, 500, ErrorInfo(message="Internal server error.", type=SERVER_ERROR))
 
 
 def install_exception_handlers(app: FastAPI) -> None:
-    """Route every FastAPI/Starlette error through the OpenAI error shape."""
+    """Route every FastAPI/Starlette error through the API's error shape."""
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)

@@ -28,7 +28,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from render_server.http.errors import error_body
+from render_server.http.errors import anthropic_error_body, error_body, is_anthropic_route
 from render_server.http.metrics import UNMATCHED_ROUTE, RenderMetrics
 from render_server.schemas.errors import SERVER_ERROR
 
@@ -54,9 +54,14 @@ async def send_error(
     code: str | None = None,
     type: str = "invalid_request_error",
     headers: Iterable[tuple[bytes, bytes]] = (),
+    path: str | None = None,
 ) -> None:
-    """Answer with an OpenAI error body straight from ASGI (no FastAPI involved)."""
-    body = error_body(message, type=type, code=code)
+    """Answer with an error body straight from ASGI (no FastAPI involved): OpenAI's, or
+    Anthropic's when `path` (the route path) is one of the Messages API's."""
+    if path is not None and is_anthropic_route(path):
+        body = anthropic_error_body(status, message)
+    else:
+        body = error_body(message, type=type, code=code)
     await send(
         {
             "type": "http.response.start",
@@ -172,7 +177,13 @@ class RequestContextMiddleware:
                 # The response has started: nothing sane can be sent any more. Returning
                 # lets uvicorn close the connection without logging the traceback again.
                 return
-            await send_error(send_with_id, 500, "Internal server error.", type=SERVER_ERROR)
+            await send_error(
+                send_with_id,
+                500,
+                "Internal server error.",
+                type=SERVER_ERROR,
+                path=route_path(scope),
+            )
         finally:
             if status >= 500 and not logged and route_path(scope) not in _STATE_PROBES:
                 logger.log(
@@ -227,6 +238,7 @@ class LimitsMiddleware:
                 431,
                 f"Too many request headers: the limit is {self.max_header_count}.",
                 code="request_headers_too_large",
+                path=route_path(scope),
             )
             return
         header_bytes = 0
@@ -244,6 +256,7 @@ class LimitsMiddleware:
                 431,
                 f"Request headers too large: the limit is {self.max_header_bytes} bytes.",
                 code="request_headers_too_large",
+                path=route_path(scope),
             )
             return
         declared = int(content_length) if content_length and content_length.isdigit() else None
@@ -253,6 +266,7 @@ class LimitsMiddleware:
                 413,
                 f"Request body too large: the limit is {self.max_body_bytes} bytes.",
                 code="request_too_large",
+                path=route_path(scope),
             )
             return
         if declared is not None and not chunked:
@@ -287,7 +301,9 @@ class LimitsMiddleware:
             # Normally FastAPI's handler answers it; this covers reads outside a route.
             if response_started:
                 raise
-            await send_error(send, 413, str(exc.detail), code="request_too_large")
+            await send_error(
+                send, 413, str(exc.detail), code="request_too_large", path=route_path(scope)
+            )
 
 
 def presented_api_key(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
@@ -345,6 +361,7 @@ class ApiKeyMiddleware:
             "(or `x-api-key: <key>`).",
             code="invalid_api_key",
             headers=self._unauthorized,
+            path=route_path(scope),
         )
 
 

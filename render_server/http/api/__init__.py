@@ -6,6 +6,7 @@ from render_server.http.api import (
     completions,
     derender,
     generate,
+    messages,
     models,
     render,
     server_info,
@@ -21,5 +22,6 @@ ROUTERS = (
     generate.router,
     render.router,
     derender.router,
+    messages.router,
     server_info.router,
 )

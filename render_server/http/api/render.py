@@ -83,7 +83,7 @@ def _sampling_params(
     }
 
 
-def _generate_request(
+def generate_request(
     state: RenderState,
     body: SamplingFields,
     request_id: str,
@@ -115,7 +115,7 @@ async def render_chat(body: ChatCompletionRequest, request: Request, state: Stat
     check_request(state, body)
     prompt = await prepare_chat(request, state, body)
     [spec] = prompt_specs(state, body, [prompt.prompt_ids], prompt_param="messages")
-    rendered = _generate_request(state, body, chat_request_id(body), spec, prompt.constraint)
+    rendered = generate_request(state, body, chat_request_id(body), spec, prompt.constraint)
     return Response(_encode(rendered), media_type="application/json")
 
 
@@ -130,7 +130,7 @@ async def render_completion(body: CompletionRequest, request: Request, state: St
     specs = prompt_specs(state, body, prompts, prompt_param="prompt")
     request_id = completion_request_id(body)
     rendered = [
-        _generate_request(
+        generate_request(
             state,
             body,
             request_id if len(specs) == 1 else f"{request_id}-{index}",

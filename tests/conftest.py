@@ -11,6 +11,9 @@ from typing import Any
 import pytest
 
 from shared.model_source import DEFAULT_MODEL, ModelNotFoundError, ModelSource, resolve_model
+from tests.helpers.redis import redis_server
+
+__all__ = ["redis_server"]  # a fixture: a real redis-server for the whole session
 
 DATA_DIR = Path(__file__).parent / "data"
 

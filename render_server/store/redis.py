@@ -134,33 +134,33 @@ class RedisStore:
         return f"{KEY_PREFIX}{digest}:{response_id}"
 
     async def _listen(self) -> None:
-        """Start this process's listener unless it runs: subscribe (a StoreError when Redis
-        cannot be reached) and wait for Redis to confirm, then hand over to the task."""
+        """Start this process's listener unless it runs; a StoreError when Redis cannot
+        be reached."""
         async with self._starting_listener:
-            if self._listener is not None and not self._listener.done():
-                return
-            pubsub = self._redis.pubsub()
-            try:
-                with _unavailable("subscribe"):
-                    await pubsub.subscribe(CANCEL_CHANNEL)
-                    await self._confirmed(pubsub)
-            except BaseException:
-                await pubsub.aclose()
-                raise
-            self._listener = asyncio.create_task(self._deliver(pubsub), name="store-cancel")
+            if self._listener is None or self._listener.done():
+                pubsub = await self._subscribe()
+                self._listener = asyncio.create_task(self._deliver(pubsub), name="store-cancel")
 
-    async def _confirmed(self, pubsub: PubSub) -> None:
-        """Read until Redis confirms the subscription, within a socket timeout."""
-        deadline = time.monotonic() + self._socket_timeout_s
-        while (remaining := deadline - time.monotonic()) > 0:
-            message: dict[str, Any] | None = await pubsub.get_message(timeout=remaining)
-            if message is not None and message["type"] == "subscribe":
-                return
-        raise TimeoutError("no confirmation of the subscription")
+    async def _subscribe(self) -> PubSub:
+        """A pubsub on the cancel channel, returned once Redis confirmed the subscription
+        (within a socket timeout)."""
+        pubsub = self._redis.pubsub()
+        try:
+            with _unavailable("subscribe"):
+                await pubsub.subscribe(CANCEL_CHANNEL)
+                deadline = time.monotonic() + self._socket_timeout_s
+                while (remaining := deadline - time.monotonic()) > 0:
+                    message: dict[str, Any] | None = await pubsub.get_message(timeout=remaining)
+                    if message is not None and message["type"] == "subscribe":
+                        return pubsub
+                raise TimeoutError("no confirmation of the subscription")
+        except BaseException:
+            await pubsub.aclose()
+            raise
 
     async def _deliver(self, pubsub: PubSub) -> None:
-        """The listener: set the event of each running response a cancel names, and
-        reconnect (the pubsub subscribes again) when the connection drops."""
+        """The listener: set the event of each running response a cancel names; when the
+        connection drops, subscribe again on a new one until Redis answers."""
         try:
             while True:
                 try:
@@ -176,6 +176,15 @@ class RedisStore:
                         self.address,
                         exc,
                     )
-                    await asyncio.sleep(_LISTENER_RETRY_S)
+                await pubsub.aclose()
+                pubsub = await self._resubscribe()
         finally:
             await pubsub.aclose()
+
+    async def _resubscribe(self) -> PubSub:
+        while True:
+            await asyncio.sleep(_LISTENER_RETRY_S)
+            with contextlib.suppress(StoreError):
+                pubsub = await self._subscribe()
+                logger.info("response store %s: cancellation channel back", self.address)
+                return pubsub

@@ -9,6 +9,7 @@ from render_server.http.api import (
     messages,
     models,
     render,
+    responses,
     server_info,
     tokenize,
 )
@@ -23,5 +24,6 @@ ROUTERS = (
     render.router,
     derender.router,
     messages.router,
+    responses.router,
     server_info.router,
 )

@@ -35,7 +35,7 @@ MODEL = "SmolLM2-135M-Instruct"
 REQUEST_TIMEOUT_S = 30.0
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 # What a --render-only server answers with a 503 (it cannot generate).
-WORKER_PATHS = (*GENERATION_PATHS, "/inference/v1/generate")
+WORKER_PATHS = (*GENERATION_PATHS, "/inference/v1/generate", "/v1/responses")
 MAX_GENERATED = 4
 """Most tokens (per choice) a fuzzed generation request may ask for."""
 

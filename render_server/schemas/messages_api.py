@@ -233,6 +233,14 @@ class ThinkingEnabled(BaseModel):
     (the model's reasoning is bounded by max_tokens, as a whole)."""
 
 
+class ThinkingAdaptive(BaseModel):
+    """The model decides whether to think: for a template's switch, thinking is on."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["adaptive"]
+
+
 class ThinkingDisabled(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -240,9 +248,28 @@ class ThinkingDisabled(BaseModel):
 
 
 ThinkingParam = Annotated[
-    Annotated[ThinkingEnabled, Tag("<enabled>")] | Annotated[ThinkingDisabled, Tag("<disabled>")],
-    _by_type("enabled, disabled"),
+    Annotated[ThinkingEnabled, Tag("<enabled>")]
+    | Annotated[ThinkingAdaptive, Tag("<adaptive>")]
+    | Annotated[ThinkingDisabled, Tag("<disabled>")],
+    _by_type("enabled, adaptive, disabled"),
 ]
+
+
+class JsonOutputFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    """Structured outputs: the answer's text is JSON of `format.schema` (`effort` is a
+    hint for Anthropic's models, ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    format: JsonOutputFormat | None = None
+    effort: str | None = None
 
 
 class Metadata(BaseModel):
@@ -262,6 +289,7 @@ class CountTokensRequest(JsonBody):
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoiceParam | None = None
     thinking: ThinkingParam | None = None
+    output_config: OutputConfig | None = None
 
 
 class MessagesRequest(CountTokensRequest):

@@ -171,7 +171,11 @@ def chat_fields(body: CountTokensRequest) -> dict[str, Any]:
             for tool in body.tools
         ]
     if body.thinking is not None:
-        fields["chat_template_kwargs"] = {"enable_thinking": body.thinking.type == "enabled"}
+        fields["chat_template_kwargs"] = {"enable_thinking": body.thinking.type != "disabled"}
+    output = body.output_config
+    if output is not None and output.format is not None:
+        schema = {"name": "output", "schema": output.format.schema_}
+        fields["response_format"] = {"type": "json_schema", "json_schema": schema}
     if isinstance(body, MessagesRequest):
         fields |= {
             "max_tokens": body.max_tokens,

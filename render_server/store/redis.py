@@ -13,7 +13,8 @@ while a listener is reconnecting is lost, as a cancel for a response nobody runs
 
 Every command has short socket timeouts and one retry (a pooled connection that Redis
 closed since is reopened), so a dead Redis costs a request a few seconds at most and a
-`StoreError` (503), never a hang; the next call connects again.
+`StoreError` (503), never a hang; the next call connects again. `running` alone never
+fails: a response runs without cross-process cancels while its listener resubscribes.
 """
 
 from __future__ import annotations
@@ -45,12 +46,14 @@ _LISTENER_RETRY_S = 1.0
 
 
 @contextlib.contextmanager
-def _unavailable(doing: str) -> Iterator[None]:
-    """Any failure to talk to Redis becomes a StoreError: the endpoint answers 503."""
+def _unavailable(doing: str, address: str) -> Iterator[None]:
+    """Any failure to talk to Redis becomes a StoreError: the endpoint answers 503. The
+    cause is logged, not put in the error, which reaches clients: it names the address."""
     try:
         yield
     except (RedisError, OSError) as exc:  # OSError: TimeoutError and socket errors too
-        raise StoreError(f"the response store is unavailable ({doing}: {exc})") from exc
+        logger.warning("response store %s: %s failed: %s", address, doing, exc)
+        raise StoreError(f"Redis failed the {doing}") from exc
 
 
 class RedisStore:
@@ -84,23 +87,25 @@ class RedisStore:
     async def put(self, tenant: str, response_id: str, record: bytes) -> None:
         if len(record) > self.max_record_bytes:
             raise RecordTooLarge(f"{len(record)} bytes, the limit is {self.max_record_bytes}")
-        with _unavailable("put"):
+        with _unavailable("put", self.address):
             await self._redis.set(self._key(tenant, response_id), record, px=self.ttl_ms)
 
     async def get(self, tenant: str, response_id: str) -> bytes | None:
-        with _unavailable("get"):
+        with _unavailable("get", self.address):
             record = await self._redis.get(self._key(tenant, response_id))
         assert record is None or isinstance(record, bytes)  # the client never decodes
         return record
 
     async def delete(self, tenant: str, response_id: str) -> bool:
-        with _unavailable("delete"):
+        with _unavailable("delete", self.address):
             deleted: int = await self._redis.delete(self._key(tenant, response_id))
         return deleted > 0
 
     @asynccontextmanager
     async def running(self, tenant: str, response_id: str) -> AsyncIterator[asyncio.Event]:
         # Subscribed before the block starts, so that a cancel sent once it runs arrives.
+        # Never a StoreError: the response runs (and a cancel through this process still
+        # stops it) while the listener keeps trying to subscribe.
         await self._listen()
         key = self._key(tenant, response_id)
         cancelled = asyncio.Event()
@@ -117,7 +122,7 @@ class RedisStore:
         if local is not None:  # it runs here: no need to ask the others
             local.set()
             return
-        with _unavailable("cancel"):
+        with _unavailable("cancel", self.address):
             await self._redis.publish(CANCEL_CHANNEL, key)
 
     async def close(self) -> None:
@@ -134,11 +139,13 @@ class RedisStore:
         return f"{KEY_PREFIX}{digest}:{response_id}"
 
     async def _listen(self) -> None:
-        """Start this process's listener unless it runs; a StoreError when Redis cannot
-        be reached."""
+        """Start this process's listener unless it runs, subscribed when Redis answers
+        within its timeouts, else left to subscribe in the background."""
         async with self._starting_listener:
             if self._listener is None or self._listener.done():
-                pubsub = await self._subscribe()
+                pubsub: PubSub | None = None
+                with contextlib.suppress(StoreError):
+                    pubsub = await self._subscribe()
                 self._listener = asyncio.create_task(self._deliver(pubsub), name="store-cancel")
 
     async def _subscribe(self) -> PubSub:
@@ -146,7 +153,7 @@ class RedisStore:
         (within a socket timeout)."""
         pubsub = self._redis.pubsub()
         try:
-            with _unavailable("subscribe"):
+            with _unavailable("subscribe", self.address):
                 await pubsub.subscribe(CANCEL_CHANNEL)
                 deadline = time.monotonic() + self._socket_timeout_s
                 while (remaining := deadline - time.monotonic()) > 0:
@@ -158,11 +165,14 @@ class RedisStore:
             await pubsub.aclose()
             raise
 
-    async def _deliver(self, pubsub: PubSub) -> None:
-        """The listener: set the event of each running response a cancel names; when the
-        connection drops, subscribe again on a new one until Redis answers."""
+    async def _deliver(self, pubsub: PubSub | None) -> None:
+        """The listener: set the event of each running response a cancel names; without
+        a subscription (Redis was unreachable, or the connection dropped), subscribe again
+        on a new connection until Redis answers."""
         try:
             while True:
+                if pubsub is None:
+                    pubsub = await self._resubscribe()
                 try:
                     async for message in pubsub.listen():
                         if message["type"] == "message":
@@ -177,9 +187,10 @@ class RedisStore:
                         exc,
                     )
                 await pubsub.aclose()
-                pubsub = await self._resubscribe()
+                pubsub = None
         finally:
-            await pubsub.aclose()
+            if pubsub is not None:
+                await pubsub.aclose()
 
     async def _resubscribe(self) -> PubSub:
         while True:

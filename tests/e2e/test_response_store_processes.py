@@ -23,13 +23,15 @@ from openai import OpenAI
 
 from tests.e2e.conftest import running_render, start_render
 from tests.helpers.processes import ServerProcess, WorkerProcess, spawn_server, stop_server
-from tests.helpers.redis import RedisServer
+from tests.helpers.redis import RedisServer, start_redis
 from tests.helpers.waiting import wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
 ROUNDS = 8
 """Retrieve-and-continue rounds at the least; more until both processes answered."""
 MAX_ROUNDS = 60
+GIVE_UP_WITHIN_S = 10.0
+"""A call on a dead Redis answers within the store's timeouts, well under this."""
 _ACCESS = re.compile(r'\[(\d+)\] uvicorn\.access: \S+ - "(\w+) (\S+) HTTP/1\.1" 200')
 
 
@@ -188,3 +190,40 @@ def test_a_cancel_through_another_server_stops_the_running_response(
     assert stored.status == "cancelled"
     assert stored.usage is not None
     assert stored.usage.output_tokens < 400
+
+
+def test_a_dead_redis_is_a_quick_503_and_serving_resumes_with_it(
+    worker_a: WorkerProcess, tmp_path: Path
+) -> None:
+    redis = start_redis(tmp_path)
+    args = ["--response-store", redis.url]
+    server = start_render([worker_a.address], tmp_path / "render.log", args)
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 2, "temperature": 0}
+    try:
+        created = httpx.post(f"{server.base_url}/v1/responses", json=body, timeout=60)
+        assert created.status_code == 200, created.text
+        response_id = created.json()["id"]
+        redis.stop()
+        for method, path in [
+            ("GET", f"/v1/responses/{response_id}"),
+            ("POST", "/v1/responses"),
+            ("DELETE", f"/v1/responses/{response_id}"),
+        ]:
+            json_body = body if method == "POST" else None
+            answer = httpx.request(
+                method, f"{server.base_url}{path}", json=json_body, timeout=GIVE_UP_WITHIN_S
+            )
+            assert answer.status_code == 503, answer.text
+            assert redis.url.split("//")[1] not in answer.text  # no address to clients
+        unstored = httpx.post(
+            f"{server.base_url}/v1/responses", json={**body, "store": False}, timeout=60
+        )
+        assert unstored.status_code == 200, unstored.text
+        redis.start()  # empty: nothing was persisted
+        again = httpx.post(f"{server.base_url}/v1/responses", json=body, timeout=60)
+        assert again.status_code == 200, again.text
+        stored = httpx.get(f"{server.base_url}/v1/responses/{again.json()['id']}", timeout=30)
+        assert stored.status_code == 200, stored.text
+    finally:
+        stop_server(server)
+        redis.stop()

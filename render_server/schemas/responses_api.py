@@ -313,6 +313,7 @@ OutputItem = OutputMessage | FunctionCallOut | ReasoningOut
 
 class InputTokensDetails(msgspec.Struct):
     cached_tokens: int
+    cache_write_tokens: int = 0
 
 
 class OutputTokensDetails(msgspec.Struct):
@@ -332,7 +333,8 @@ class IncompleteDetails(msgspec.Struct):
 
 
 class ResponseErrorInfo(msgspec.Struct):
-    code: str
+    code: Literal["server_error", "invalid_prompt"]
+    """One of the codes the API defines (the `error` event carries the server's own)."""
     message: str
 
 

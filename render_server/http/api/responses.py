@@ -402,7 +402,13 @@ class _StoredRun:
         # not stay in_progress.
         with anyio.CancelScope(shield=True):
             try:
-                await self.store.put(self.tenant, response.id, _encode(stored))
+                try:
+                    await self.store.put(self.tenant, response.id, _encode(stored))
+                except RecordTooLarge:
+                    # Kept in_progress it would look alive; kept without its output it
+                    # would continue a conversation that is not the one that happened.
+                    await self.store.delete(self.tenant, response.id)
+                    raise
             except StoreError as exc:
                 logger.warning("response %s could not be stored: %s", response.id, exc)
 

@@ -133,7 +133,10 @@ class ResponsesFormatter(ResponseFormatter):
         events += self._close_open("incomplete")
         response = msgspec.structs.replace(
             self.snapshot("failed", None),
-            error=ResponseErrorInfo(code=code, message=info.message),
+            error=ResponseErrorInfo(
+                code="server_error" if error.status_code >= 500 else "invalid_prompt",
+                message=info.message,
+            ),
         )
         self.final = response
         return events + self._response_event("response.failed", response)

@@ -317,6 +317,42 @@ def test_cancel_a_running_stream(client: OpenAI, render: ServerProcess) -> None:
     assert stored.usage.output_tokens < 200
 
 
+def _wait_for_status(client: OpenAI, response_id: str, wanted: str) -> str:
+    deadline = time.monotonic() + 30
+    status = ""
+    while time.monotonic() < deadline:
+        try:
+            status = client.responses.retrieve(response_id).status or ""
+        except NotFoundError:
+            status = ""
+        if status == wanted:
+            return status
+        time.sleep(0.05)
+    return status
+
+
+def test_a_stream_the_client_leaves_is_not_left_in_progress(
+    client: OpenAI, render: ServerProcess
+) -> None:
+    body = {
+        "model": MODEL,
+        "input": "Tell me a very long story.",
+        "max_output_tokens": 200,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{render.base_url}/v1/responses", json=body, timeout=60) as reply:
+        lines = reply.iter_lines()
+        for line in lines:
+            if line.startswith("data: "):
+                response_id = json.loads(line[6:])["response"]["id"]
+                break
+    assert _wait_for_status(client, response_id, "incomplete") == "incomplete"
+    # Stopped when the client left, not run to its length limit.
+    usage = client.responses.retrieve(response_id).usage
+    assert usage is None or usage.output_tokens < 200
+
+
 def test_reasoning_summary_when_thinking_is_forced(reasoning: ServerProcess) -> None:
     client = _client(reasoning)
     body = {"structured_outputs": {"regex": THINK}}

@@ -33,7 +33,7 @@ from tests.integration.conftest import ServerProcess, start_server, stop_server
 
 MODEL = "SmolLM2-135M-Instruct"
 REQUEST_TIMEOUT_S = 30.0
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
 # What a --render-only server answers with a 503 (it cannot generate).
 WORKER_PATHS = (*GENERATION_PATHS, "/inference/v1/generate", "/v1/responses")
 MAX_GENERATED = 4
@@ -47,11 +47,15 @@ def _cap(value: Any, limit: int) -> Any:
     return value
 
 
+_MESSAGES_BODY = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi."}]}
 GOOD_BODIES = {
     "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "Hi."}]},
     "/v1/completions": {"model": MODEL, "prompt": "The capital of France is"},
     "/tokenize": {"messages": [{"role": "user", "content": "Hi."}]},
     "/detokenize": {"tokens": [1, 4093, 198, 2683]},
+    "/v1/messages": _MESSAGES_BODY,
+    "/v1/messages/count_tokens": _MESSAGES_BODY,
+    "/v1/messages/render": _MESSAGES_BODY,
 }
 
 

@@ -235,6 +235,24 @@ def test_count_tokens_counts_system_and_tools(
     assert len(rendered["token_ids"]) == with_tools
 
 
+def test_output_format_constrains_the_text(client: Anthropic) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"colour": {"type": "string", "maxLength": 10}},
+        "required": ["colour"],
+        "additionalProperties": False,
+    }
+    message = client.messages.create(
+        model=MODEL,
+        max_tokens=30,
+        messages=ASK,
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+        **GREEDY,
+    )
+    assert message.stop_reason == "end_turn", message
+    jsonschema.validate(json.loads(_text(message)), schema)
+
+
 # --- tools ----------------------------------------------------------------------------------
 
 

@@ -11,13 +11,19 @@ import pytest
 from pydantic import ValidationError
 
 from render_server.http.api.messages import chat_fields, to_chat
-from render_server.http.api.messages_format import BlockWriter, sse, stop_reason
+from render_server.http.api.messages_format import (
+    BlockWriter,
+    MessagesFormatter,
+    sse,
+    stop_reason,
+)
 from render_server.http.errors import (
     anthropic_error_type,
     is_anthropic_route,
     validation_error_info,
 )
-from render_server.parsing.chat_output import ChoicePiece
+from render_server.parsing.chat_output import ChoicePiece, ChoiceProcessor
+from render_server.parsing.tool_choice import ToolPlan
 from render_server.schemas.errors import ApiError
 from render_server.schemas.messages_api import (
     ContentBlockDelta,
@@ -280,3 +286,15 @@ def test_error_types_and_routes() -> None:
     assert is_anthropic_route("/v1/messages/count_tokens")
     assert not is_anthropic_route("/v1/messagesx")
     assert not is_anthropic_route("/v1/chat/completions")
+
+
+def test_an_error_after_the_start_is_an_error_event() -> None:
+    formatter = MessagesFormatter("m", ChoiceProcessor(ToolPlan("none", None)))
+    assert formatter.done_event == b""
+    event = formatter.error_event(ApiError(503, "The workers are busy.", code="queue_full"))
+    name, data = event.decode().strip().split("\n")
+    assert name == "event: error"
+    assert json.loads(data.removeprefix("data: ")) == {
+        "type": "error",
+        "error": {"type": "overloaded_error", "message": "The workers are busy."},
+    }

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from render_server.http.api.responses import _input_messages, _refuse_unsupported, chat_body
+from render_server.http.api.responses_input import chat_body, input_messages, refuse_unsupported
 from render_server.schemas.errors import ApiError
 from render_server.schemas.responses_api import MAX_INPUT_ITEMS, ResponsesRequest
 
@@ -20,7 +20,7 @@ def _request(**fields: Any) -> ResponsesRequest:
 
 
 def _messages(body: ResponsesRequest, history: list[dict[str, Any]] | None = None) -> Any:
-    return _input_messages(body, history or [])
+    return input_messages(body, history or [])
 
 
 def test_string_input_is_one_user_message() -> None:
@@ -107,7 +107,7 @@ def test_chat_body_carries_tools_choice_format_and_sampling() -> None:
 )
 def test_unsupported_fields_are_named(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(ApiError) as caught:
-        _refuse_unsupported(_request(input="x", **fields))
+        refuse_unsupported(_request(input="x", **fields))
     assert caught.value.status_code == 400
     assert caught.value.info.param == param
 

@@ -1,6 +1,6 @@
 """Admission control, draining and slow-client protection for the generation routes.
 
-A pure ASGI middleware around /v1/chat/completions and /v1/completions:
+A pure ASGI middleware around the generating routes (GENERATION_PATHS):
 - at most `max_pending` of them in flight per render process; beyond that 429 with
   Retry-After, so a load balancer or client backs off instead of piling up. A request
   counts only once its body is complete: its body is read first (within --body-timeout,
@@ -19,12 +19,20 @@ import logging
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from render_server.http.errors import error_body
+from render_server.http.errors import anthropic_error_body, error_body, is_anthropic_route
+from render_server.http.middleware import route_path
 from render_server.schemas.errors import SERVER_ERROR
 
 logger = logging.getLogger(__name__)
 
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/inference/v1/generate")
+GENERATION_PATHS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/inference/v1/generate",
+    "/v1/responses",
+    "/v1/messages",
+)
+"""Routes that generate (matched as path suffixes: /v1/messages/count_tokens is not one)."""
 
 
 class ClientTooSlow(Exception):
@@ -93,8 +101,13 @@ def replay(body: bytes, receive: Receive) -> Receive:
     return replayed
 
 
-async def _refuse(send: Send, status: int, message: str, code: str, kind: str) -> None:
-    body = error_body(message, type=kind, code=code)
+async def _refuse(
+    scope: Scope, send: Send, status: int, message: str, code: str, kind: str
+) -> None:
+    if is_anthropic_route(route_path(scope)):
+        body = anthropic_error_body(status, message)
+    else:
+        body = error_body(message, type=kind, code=code)
     await send(
         {
             "type": "http.response.start",
@@ -126,13 +139,14 @@ class AdmissionMiddleware:
         admission = self.admission
         if admission.draining:
             await _refuse(
-                send, 503, "This server is shutting down; retry elsewhere.", "draining",
+                scope, send, 503, "This server is shutting down; retry elsewhere.", "draining",
                 SERVER_ERROR,
             )  # fmt: skip
             return
         if admission.in_flight >= admission.max_pending:
             admission.rejected += 1
             await _refuse(
+                scope,
                 send,
                 429,
                 f"Too many requests in flight on this server ({admission.max_pending}); "

@@ -86,6 +86,19 @@ def test_max_pending_gives_429(worker_a: WorkerProcess, tmp_path) -> None:
         assert second.status_code == 429
         assert second.headers["retry-after"] == "1"
         assert second.json()["error"]["code"] == "too_many_pending"
+        # Every generating API counts, each refusing in its own error shape.
+        message = {"role": "user", "content": "Hi"}
+        responses = httpx.post(f"{render.base_url}/v1/responses", json={"input": "Hi"}, timeout=30)
+        assert responses.status_code == 429, responses.text
+        assert responses.json()["error"]["code"] == "too_many_pending"
+        messages = httpx.post(
+            f"{render.base_url}/v1/messages",
+            json={"model": MODEL, "max_tokens": 4, "messages": [message]},
+            timeout=30,
+        )
+        assert messages.status_code == 429, messages.text
+        assert messages.json()["type"] == "error"
+        assert messages.json()["error"]["type"] == "rate_limit_error"
         thread.join(120)
         assert out["finish"] == "length"
         third = httpx.post(

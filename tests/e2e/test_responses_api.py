@@ -485,7 +485,7 @@ def test_unknown_ids_are_404(render: ServerProcess) -> None:
 
 def test_another_tenants_response_is_not_found(keyed: ServerProcess) -> None:
     mine = _client(keyed, KEYS[0]).responses.create(
-        model=MODEL, input="The secret is 42.", max_output_tokens=4
+        model=MODEL, input="The secret word is xylophone.", max_output_tokens=4
     )
     theirs = _client(keyed, KEYS[1])
     with pytest.raises(NotFoundError) as caught:
@@ -493,7 +493,7 @@ def test_another_tenants_response_is_not_found(keyed: ServerProcess) -> None:
             model=MODEL, input="What is the secret?", previous_response_id=mine.id,
             max_output_tokens=4,
         )  # fmt: skip
-    assert "42" not in str(caught.value.body)
+    assert "xylophone" not in str(caught.value.body)
     with pytest.raises(NotFoundError):
         theirs.responses.retrieve(mine.id)
     with pytest.raises(NotFoundError):

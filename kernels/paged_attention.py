@@ -7,9 +7,11 @@ program writes its partition's normalized output and log-sum-exp, and `_combine_
 merges them; with one split the program writes the output directly.
 
 Each sequence's context is cut into `num_splits` equal partitions (rounded up to the key tile),
-so sequences of different lengths in one batch all use every split they can. The grid depends
-only on tensor shapes, never on their contents: the launcher is safe to capture in a CUDA graph
-(after a warm-up call per shape, which on a GPU also runs the autotuner).
+so sequences of different lengths in one batch all use every split they can. With a sliding
+window only the last `window` keys are partitioned: blocks wholly before it are never loaded.
+The grid depends only on tensor shapes, never on their contents: the launcher is safe to
+capture in a CUDA graph (after a warm-up call per shape, which on a GPU also runs the
+autotuner).
 
 KV cache layout (gpu_worker/attention/torch_backend.py):
 `[2, num_blocks, block_size, num_kv_heads, head_dim]`,
@@ -71,11 +73,13 @@ def _paged_decode_kernel(
     stride_oh,
     num_heads,
     num_splits,
+    window,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -84,8 +88,11 @@ def _paged_decode_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * tokens_per_split
+    # The query sits at seq_len - 1 and sees keys (seq_len - 1 - window, seq_len - 1]: every
+    # key of [first, seq_len) is visible, so the loop below needs no window mask.
+    first = tl.maximum(seq_len - window, 0) if HAS_WINDOW else 0
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+    start = first + split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
 
     offs_g = tl.arange(0, GROUP_PAD)
@@ -181,6 +188,12 @@ def _combine_splits_kernel(
     )
 
 
+def check_window(window: int | None) -> None:
+    """A sliding window sees at least the query's own key."""
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1 or None, got {window}")
+
+
 def choose_num_splits(
     num_seqs: int, num_kv_heads: int, max_context: int, num_programs_target: int
 ) -> int:
@@ -198,9 +211,12 @@ def paged_decode_attention(
     scale: float,
     *,
     num_splits: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Decode attention: q `[num_seqs, num_heads, head_dim]` (one token per sequence) attends to
-    the first `seq_lens[i]` cached tokens of sequence i (the new token's K/V already written).
+    the first `seq_lens[i]` cached tokens of sequence i (the new token's K/V already written),
+    or with a sliding `window` to the last `window` of them only (transformers' convention:
+    the query at p sees keys p - window < k <= p; None attends to all).
 
     `block_tables` is `[num_seqs, max_blocks]` (padding never read); `num_splits` overrides the
     split-K heuristic. Returns a new contiguous tensor shaped like q.
@@ -212,6 +228,7 @@ def paged_decode_attention(
     if block_tables.shape[0] != num_seqs:
         raise ValueError("block_tables must have one row per sequence of q")
     check_lengths("seq_lens", seq_lens, num_seqs)
+    check_window(window)
     out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out
@@ -219,6 +236,8 @@ def paged_decode_attention(
     if num_splits is None:
         sms = num_sms(q.device) if on_gpu else 4
         max_context = block_tables.shape[1] * page_size
+        if window is not None:
+            max_context = min(max_context, window)
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, PROGRAMS_PER_SM * sms)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
@@ -253,6 +272,7 @@ def paged_decode_attention(
         out.stride(1),
         num_heads,
         num_splits,
+        window or 0,
     )
     meta = dict(
         GROUP=group,
@@ -260,6 +280,7 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
         SINGLE_SPLIT=num_splits == 1,
+        HAS_WINDOW=window is not None,
         DOT_PRECISION=dot_precision(q.dtype),
     )
     grid = (num_seqs, num_kv_heads, num_splits)
@@ -290,6 +311,7 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Plain torch, one sequence at a time, in fp32: what `paged_decode_attention` computes."""
     page_size, num_kv_heads, head_dim = kv_cache.shape[2:]
@@ -302,5 +324,7 @@ def paged_decode_attention_ref(
         keys = keys.repeat_interleave(group, dim=1)  # query head h reads KV head h // group
         values = values.repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[i].float(), keys) * scale
+        if window is not None:
+            scores[:, : max(seq_len - window, 0)] = float("-inf")
         out[i] = torch.einsum("hl,lhd->hd", scores.softmax(-1), values).to(q.dtype)
     return out

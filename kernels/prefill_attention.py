@@ -9,7 +9,9 @@ decode is a query of length 1, so one launch serves a whole mixed batch.
 Tiling: one program takes BLOCK_Q query tokens of one sequence times the GROUP query heads of
 one KV head, as the BLOCK_M = BLOCK_Q * GROUP_PAD rows of one tile (row r is token r // GROUP_PAD,
 head r % GROUP_PAD), so K/V tiles are loaded once per KV head. Keys below the tile's first query
-position need no mask; only the last few key tiles apply the causal mask.
+position need no mask; only the last few key tiles apply the causal mask. With a sliding window
+(the query at p sees keys p - window < k <= p) the tile starts at its first row's window: key
+tiles wholly before it are never loaded, and only the first few apply the window mask.
 
 Sequence i owns the query tiles from `query_start_loc[i] // BLOCK_Q + i` on, which gives every
 sequence at least `ceil(len / BLOCK_Q)` tiles within a grid of `num_tokens // BLOCK_Q + num_seqs`
@@ -27,7 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels import check_attention_inputs, check_launchable, check_lengths, dot_precision
-from kernels.paged_attention import LOG2E
+from kernels.paged_attention import LOG2E, check_window
 
 MAX_BLOCK_M = 128
 INTERPRETER_BLOCK_N = 32
@@ -82,6 +84,7 @@ def _attend_keys(
     lo,
     hi,
     seq_len,
+    window,
     scale_log2,
     stride_cb,
     stride_ct,
@@ -89,9 +92,11 @@ def _attend_keys(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Online softmax over keys [lo, hi); MASKED applies the causal and length masks."""
+    """Online softmax over keys [lo, hi); MASKED applies the causal, length and (with
+    HAS_WINDOW) window masks."""
     offs_d = tl.arange(0, HEAD_DIM)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -107,11 +112,17 @@ def _attend_keys(
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         if MASKED:
             visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+            if HAS_WINDOW:
+                visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
             qk = tl.where(visible, qk, float("-inf"))
-        # The first tile seen always holds key `lo` <= every row's position, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
+        # With a window a row may see none of a masked tile's keys: m_new is then -inf, and
+        # subtracting 0 instead keeps alpha and p at 0 rather than NaN. Without one the first
+        # tile holds key `lo` <= every row's position, and unmasked tiles are visible to
+        # every row: m_new is finite.
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new) if MASKED and HAS_WINDOW else m_new
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(qk - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASKED:
             v = tl.load(v_base + slot[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
@@ -135,6 +146,7 @@ def _paged_prefill_kernel(
     context_lens_ptr,
     num_seqs,
     num_tiles,
+    window,
     scale_log2,
     stride_qt,
     stride_qh,
@@ -151,6 +163,7 @@ def _paged_prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # Last tiles first: within a sequence they see the most keys, so they should start early.
@@ -182,19 +195,37 @@ def _paged_prefill_kernel(
     k_base = k_cache_ptr + kv_head * stride_ch
     v_base = v_cache_ptr + kv_head * stride_ch
 
-    # Keys [0, full_end) are at or before the tile's first position: visible to every row.
+    # Keys [full_start, full_end) are at or before the tile's first position and, with a
+    # window, inside the last row's window: visible to every row. Keys before full_start
+    # (down to the first row's window) and from full_end on are masked.
     first_pos = context_len + t0
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
     last_end = tl.minimum(first_pos + BLOCK_Q, seq_len)
+    full_start = 0
+    if HAS_WINDOW:
+        window_lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+        last_pos = first_pos + BLOCK_Q - 1
+        full_start = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N
+        full_start = tl.minimum(full_start, full_end)
+        acc, m_i, l_i = _attend_keys(
+            acc, m_i, l_i, q, q_pos, k_base, v_base, table, window_lo, full_start, seq_len,
+            window, scale_log2, stride_cb, stride_ct, PAGE_SIZE, HEAD_DIM, BLOCK_N, True, True,
+            DOT_PRECISION,
+        )  # fmt: skip
     acc, m_i, l_i = _attend_keys(
-        acc, m_i, l_i, q, q_pos, k_base, v_base, table, 0, full_end, seq_len, scale_log2,
-        stride_cb, stride_ct, PAGE_SIZE, HEAD_DIM, BLOCK_N, False, DOT_PRECISION,
+        acc, m_i, l_i, q, q_pos, k_base, v_base, table, full_start, full_end, seq_len, window,
+        scale_log2, stride_cb, stride_ct, PAGE_SIZE, HEAD_DIM, BLOCK_N, False, HAS_WINDOW,
+        DOT_PRECISION,
     )  # fmt: skip
     acc, m_i, l_i = _attend_keys(
-        acc, m_i, l_i, q, q_pos, k_base, v_base, table, full_end, last_end, seq_len, scale_log2,
-        stride_cb, stride_ct, PAGE_SIZE, HEAD_DIM, BLOCK_N, True, DOT_PRECISION,
+        acc, m_i, l_i, q, q_pos, k_base, v_base, table, full_end, last_end, seq_len, window,
+        scale_log2, stride_cb, stride_ct, PAGE_SIZE, HEAD_DIM, BLOCK_N, True, HAS_WINDOW,
+        DOT_PRECISION,
     )  # fmt: skip
 
+    if HAS_WINDOW:
+        # Padding rows past the sequence's last token may see no key of their window.
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
     result = acc / l_i[:, None]
     o_offs = (q_start + tok).to(tl.int64) * stride_ot + heads * stride_oh
     tl.store(
@@ -226,9 +257,12 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     max_query_len: int,
     scale: float,
+    *,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention for packed queries q `[num_tokens, num_heads, head_dim]` over each
-    sequence's cached prefix and its own new tokens, all read from `kv_cache`.
+    sequence's cached prefix and its own new tokens, all read from `kv_cache`; with a sliding
+    `window`, the query at position p sees keys p - window < k <= p only (None: all keys).
 
     `query_start_loc` `[num_seqs + 1]`, `seq_lens` and `context_lens` `[num_seqs]` follow
     `gpu_worker.attention.torch_backend.AttentionMetadata`
@@ -245,6 +279,7 @@ def paged_prefill_attention(
     check_lengths("context_lens", context_lens, num_seqs)
     if block_tables.shape[0] != num_seqs:
         raise ValueError("block_tables must have one row per sequence")
+    check_window(window)
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -265,6 +300,7 @@ def paged_prefill_attention(
         context_lens,
         num_seqs,
         num_tiles,
+        window or 0,
         scale * LOG2E,
         q.stride(0),
         q.stride(1),
@@ -282,6 +318,7 @@ def paged_prefill_attention(
         PAGE_SIZE=page_size,
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
+        HAS_WINDOW=window is not None,
         DOT_PRECISION=dot_precision(q.dtype),
     )
     grid = (num_tiles, num_kv_heads)
@@ -300,6 +337,7 @@ def paged_prefill_attention_ref(
     seq_lens: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Plain torch, one sequence at a time, in fp32: what `paged_prefill_attention` computes."""
     page_size, num_kv_heads, head_dim = kv_cache.shape[2:]
@@ -315,7 +353,10 @@ def paged_prefill_attention_ref(
         values = values.repeat_interleave(group, dim=1)
         scores = torch.einsum("thd,lhd->htl", q[start:end].float(), keys) * scale
         q_pos = torch.arange(ctx, ctx + end - start, device=q.device)
-        visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        key_pos = torch.arange(seq_len, device=q.device)[None, :]
+        visible = key_pos <= q_pos[:, None]
+        if window is not None:
+            visible &= key_pos > q_pos[:, None] - window
         scores = scores.masked_fill(~visible, float("-inf"))
         out[start:end] = torch.einsum("htl,lhd->thd", scores.softmax(-1), values).to(q.dtype)
     return out

@@ -141,3 +141,36 @@ def test_decode_full_size_bf16(cuda_device):
             q, kv_cache, meta.block_tables, meta.seq_lens, 0.088, num_splits=num_splits
         )
         _assert_close(out, expected, dtype)
+
+
+# seq_lens, window, group, num_splits; block size 16, head_dim 64.
+WINDOW_DECODE_CASES = [
+    pytest.param([40, 5, 17], 8, 3, 1, id="window-inside-one-block-gqa3"),
+    pytest.param([40, 33, 16], 20, 2, 1, id="window-spans-blocks"),
+    pytest.param([130, 7, 64], 50, 1, 3, id="window-split-k"),
+    pytest.param([3, 17], 1, 2, 2, id="window-one-key"),
+]
+
+
+@pytest.mark.parametrize(("seq_lens", "window", "group", "num_splits"), WINDOW_DECODE_CASES)
+def test_decode_sliding_window(
+    make_paged_batch, device, dtype, seq_lens, window, group, num_splits
+):
+    """Only the last `window` keys count; sequences shorter than the window see them all."""
+    q, kv_cache, meta = _decode_inputs(make_paged_batch, seq_lens, group, 64, dtype, device)
+    args = (q, kv_cache, meta.block_tables, meta.seq_lens, 0.125)
+    out = paged_decode_attention(*args, num_splits=num_splits, window=window)
+    expected = paged_decode_attention_ref(*args, window=window)
+    _assert_close(out, expected, dtype)
+    # The window really cuts something (else the case would pass with no window at all).
+    assert not torch.allclose(expected.float(), paged_decode_attention_ref(*args).float())
+
+
+def test_decode_window_ignores_keys_outside(make_paged_batch, device):
+    """Keys before the window are never read: NaN there leaves the output finite."""
+    q, kv_cache, meta = _decode_inputs(make_paged_batch, [50], 2, 64, torch.float32, device)
+    expected = paged_decode_attention_ref(q, kv_cache, meta.block_tables, meta.seq_lens, 0.1, 18)
+    first_blocks = meta.block_tables[0, :2].long()  # keys 0..31, all before 50 - 18
+    kv_cache[:, first_blocks] = float("nan")
+    out = paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, 0.1, window=18)
+    _assert_close(out, expected, torch.float32)

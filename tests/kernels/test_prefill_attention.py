@@ -145,3 +145,38 @@ def test_prefill_full_size_bf16(cuda_device):
     kv_cache = kv_cache.to(dtype)
     q = torch.randn(sum(query_lens), 32, head_dim, device=cuda_device, dtype=dtype)
     _assert_close(_run(q, kv_cache, meta, 0.088), _ref(q, kv_cache, meta, 0.088), dtype)
+
+
+# query_lens, context_lens, window, group; block size 16, head_dim 64.
+WINDOW_PREFILL_CASES = [
+    pytest.param([40], [0], 8, 1, id="fresh-window-8"),
+    pytest.param([20, 1, 33], [30, 50, 16], 13, 3, id="mixed-prefix-decode-gqa3"),
+    pytest.param([70], [5], 40, 2, id="window-longer-than-a-key-tile"),
+    pytest.param([9, 3], [0, 20], 1, 2, id="window-one-key"),
+]
+
+
+@pytest.mark.parametrize(("query_lens", "context_lens", "window", "group"), WINDOW_PREFILL_CASES)
+def test_prefill_sliding_window(
+    make_paged_batch, device, dtype, query_lens, context_lens, window, group
+):
+    q, kv_cache, meta = _prefill_inputs(
+        make_paged_batch, query_lens, context_lens, group, 64, dtype, device
+    )
+    args = (q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens)
+    out = paged_prefill_attention(
+        *args, meta.context_lens, meta.max_query_len, 0.125, window=window
+    )
+    expected = paged_prefill_attention_ref(*args, meta.context_lens, 0.125, window)
+    _assert_close(out, expected, dtype)
+    assert not torch.allclose(expected.float(), _ref(q, kv_cache, meta, 0.125).float())
+
+
+def test_prefill_window_small_tiles(make_paged_batch, device):
+    """A too-small tile hint (one token per tile) with a window: rows of one tile start
+    their windows at different keys."""
+    dtype = torch.float32
+    q, kv_cache, meta = _prefill_inputs(make_paged_batch, [25, 4], [10, 40], 2, 64, dtype, device)
+    args = (q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.context_lens)
+    out = paged_prefill_attention(*args, 1, 0.125, window=6)
+    _assert_close(out, paged_prefill_attention_ref(*args, 0.125, 6), dtype)

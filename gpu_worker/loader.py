@@ -39,6 +39,7 @@ _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 
 
@@ -70,7 +71,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     is_qwen2 = arch == "Qwen2ForCausalLM"
     llama_bias = bool(cfg.get("attention_bias", False)) and not is_qwen2
     window = cfg.get("sliding_window")
-    if is_qwen2 and not cfg.get("use_sliding_window", False):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window"):
         window = None
     return ModelConfig(
         architecture=arch,
@@ -126,7 +127,7 @@ def _required(value: int | None, meta: GGUFMetadata, key: str) -> int:
 def config_from_gguf(meta: GGUFMetadata) -> ModelConfig:
     """ModelConfig from a GGUF file's `{arch}.*` metadata and its tensor table."""
     arch = meta.string("general.architecture")
-    if arch not in ("llama", "qwen2"):
+    if arch not in ("llama", "qwen2", "qwen3"):
         raise NotImplementedError(f"GGUF architecture {arch!r} is not supported")
 
     def integer(key: str) -> int:
@@ -175,6 +176,8 @@ _GGUF_LAYER = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
 }
 
 

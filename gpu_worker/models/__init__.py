@@ -8,14 +8,17 @@ from __future__ import annotations
 
 from gpu_worker.models.base import CausalLM
 from gpu_worker.models.llama import LlamaForCausalLM
+from gpu_worker.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
     # GGUF architecture names (Mistral GGUFs say "llama").
     "llama": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
 }
 
 
@@ -28,4 +31,10 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {known}") from None
 
 
-__all__ = ["MODEL_REGISTRY", "CausalLM", "LlamaForCausalLM", "get_model_class"]
+__all__ = [
+    "MODEL_REGISTRY",
+    "CausalLM",
+    "LlamaForCausalLM",
+    "Qwen3ForCausalLM",
+    "get_model_class",
+]

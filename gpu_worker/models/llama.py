@@ -131,10 +131,15 @@ class Attention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(
             -1, self.num_heads + self.num_kv_heads, self.head_dim
         )
-        q, k = self.ops.rotate(qk, self.num_heads, rotary)
+        q, k = self.ops.rotate(self.norm_qk(qk), self.num_heads, rotary)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
+
+    def norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
+        """A hook before rotary for families that norm q and k per head (Qwen3); Llama
+        rotates them as projected."""
+        return qk
 
 
 class MLP(nn.Module):
@@ -155,10 +160,16 @@ class DecoderLayer(nn.Module):
     """Pre-norm transformer block over a residual stream carried between layers: each
     residual add is fused into the norm after it."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        ops: LayerOps,
+        attention: type[Attention] = Attention,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.self_attn = Attention(config, backend, ops)
+        self.self_attn = attention(config, backend, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.mlp = MLP(config, ops)
 
@@ -184,14 +195,20 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embeddings, decoder layers and the final norm."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        ops: LayerOps,
+        attention: type[Attention] = Attention,
+    ) -> None:
         super().__init__()
         # An empty `_weight` skips the random init (on meta it would import torch._dynamo):
         # the loader overwrites every weight anyway.
         shape = (config.vocab_size, config.hidden_size)
         self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
         self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, ops) for _ in range(config.num_layers)
+            DecoderLayer(config, backend, ops, attention) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -199,12 +216,15 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(CausalLM):
     """Causal LM head over `LlamaModel`; serves every architecture in the Llama family."""
 
+    attention: type[Attention] = Attention
+    """The layers' attention: families that differ from Llama only there subclass it."""
+
     def __init__(
         self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps | None = None
     ) -> None:
         super().__init__(config, backend, ops)
         self.ops = ops = ops or TorchLayerOps()
-        self.model = LlamaModel(config, backend, ops)
+        self.model = LlamaModel(config, backend, ops, self.attention)
         self.rotary = RotaryEmbedding(config)
         # Tied models read the embedding matrix directly, so no second parameter can drift.
         self.lm_head: nn.Linear | None = None

@@ -22,7 +22,7 @@ from gpu_worker.attention.metadata import build_attention_metadata
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.runner.kv_caches import allocate_kv_caches
 
-Family = Literal["llama", "qwen2", "mistral"]
+Family = Literal["llama", "qwen2", "mistral", "qwen3"]
 
 _SIZES: dict[str, Any] = dict(
     vocab_size=256,
@@ -43,6 +43,7 @@ def tiny_hf_model(
         "llama": transformers.LlamaConfig,
         "qwen2": transformers.Qwen2Config,
         "mistral": transformers.MistralConfig,
+        "qwen3": transformers.Qwen3Config,
     }[family]
     config = config_cls(**_SIZES, tie_word_embeddings=tie_word_embeddings, **overrides)
     torch.manual_seed(seed)

@@ -37,9 +37,13 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Write k/v into the cache, then attend: q `[num_tokens, num_heads, head_dim]` ->
-        out of the same shape, each query seeing its sequence's keys up to its own position."""
+        out of the same shape, each query seeing its sequence's keys up to its own position,
+        and with a sliding `window` (the layer's) only the last `window` of them: the query
+        at position p sees keys p - window < k <= p, as in transformers. The cache keeps
+        every key either way; the window is a mask."""
         ...
 
 

@@ -27,6 +27,9 @@ class TorchAttentionBackend:
         """This step's plan; None when the CPU kernel takes a whole pure-decode batch, which
         needs no index or mask tensors (they would cost more than they save there)."""
         self._planned: AttentionMetadata | None = None
+        self._window_plans: dict[int, TorchAttentionPlan] = {}
+        """This step's plans of sliding-window layers, by window, built by the first
+        layer with that window: the masks differ, and the CPU kernel has no window."""
 
     def plan(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> None:
         kernel = _decode_kernel_applies(kv_cache, meta)
@@ -34,6 +37,7 @@ class TorchAttentionBackend:
             self.step_plan = None  # one query per sequence, row i = sequence i: one call
         else:
             self.step_plan = TorchAttentionPlan.build(meta, kv_cache, kv_cache.dtype, kernel)
+        self._window_plans.clear()
         self._planned = meta
 
     def write_kv(
@@ -57,15 +61,23 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         self.write_kv(k, v, kv_cache, meta.slot_mapping)
         if meta is not self._planned:
             raise RuntimeError("TorchAttentionBackend.plan(meta) was not called for this step")
-        plan = self.step_plan
-        if plan is None:
+        # A window no shorter than the longest sequence hides nothing: the global plan.
+        if window is not None and window < meta.max_seq_len:
+            plan = self._window_plans.get(window)
+            if plan is None:
+                plan = TorchAttentionPlan.build(meta, kv_cache, kv_cache.dtype, window=window)
+                self._window_plans[window] = plan
+        elif self.step_plan is None:
             return cpu_ops.paged_decode_attention(
                 _rows_contiguous(q), kv_cache, meta.block_tables, meta.seq_lens, scale
             )
+        else:
+            plan = self.step_plan
         if not plan.prefills and len(plan.decode) == 1:
             group = plan.decode[0]
             if isinstance(group.rows, slice) and group.rows == slice(0, q.shape[0]):
@@ -113,12 +125,13 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         queries = q[seq.start : seq.end].transpose(0, 1)  # [heads, q_len, dim]
         if seq.block_ids is None:
-            # No cached context: the keys are this step's own, and the mask is causal.
+            # No cached context: the keys are this step's own; causal, or the window's mask.
             out = F.scaled_dot_product_attention(
                 queries,
                 k[seq.start : seq.end].transpose(0, 1),
                 v[seq.start : seq.end].transpose(0, 1),
-                is_causal=True,
+                attn_mask=seq.mask,
+                is_causal=seq.mask is None,
                 scale=scale,
                 enable_gqa=True,
             )

@@ -1,7 +1,8 @@
 """The torch backend's per-step plan: which rows attend how, worked out once per step.
 
 `TorchAttentionBackend.plan` builds it from the metadata before the first layer; every
-layer of the step then reuses its index tensors and masks.
+layer of the step then reuses its index tensors and masks. A sliding window changes the
+masks, so layers with a window share a plan of their own, built for that window.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ class PrefillSeq:
     context), which attends to this step's own k/v and needs no gather."""
     mask: torch.Tensor | None
     """[query_len, seq_len] additive (0 / -inf): query j, at position context_len + j,
-    sees keys up to there. None when `block_ids` is."""
+    sees keys up to there (and within the window). None for a fresh prefill without a
+    window, which is plain causal."""
 
 
 @dataclass
@@ -38,7 +40,7 @@ class DecodeGroup:
     """[num_seqs * num_blocks] int64: each one's block table cut to the group's longest."""
     mask: torch.Tensor
     """[num_seqs, 1, 1, num_blocks * block_size] additive (0 / -inf): keys past each
-    sequence's length are hidden."""
+    sequence's length, or before its window, are hidden."""
 
 
 @dataclass
@@ -82,9 +84,11 @@ class TorchAttentionPlan:
         kv_cache: torch.Tensor,
         dtype: torch.dtype,
         decode_kernel: bool = False,
+        window: int | None = None,
     ) -> TorchAttentionPlan:
         """Plan the step for one layer's `kv_cache` (all layers share its shape) and
-        queries of `dtype`; `decode_kernel` hands the decodes to `cpu_ops`."""
+        queries of `dtype`; `decode_kernel` hands the decodes to `cpu_ops` (which has no
+        window). With a sliding `window` the query at p sees keys p - window < k <= p."""
         # Host copies when the builder passed them: no device read-back on CUDA.
         starts = meta.query_start_loc_host
         if starts is None:
@@ -100,14 +104,8 @@ class TorchAttentionPlan:
             start, end = starts[i], starts[i + 1]
             if end - start == 1:
                 decodes.append(i)
-            elif end - start > 1 and ctx == 0:
-                prefills.append(PrefillSeq(start, end, None, None))
             elif end - start > 1:
-                seq_len = ctx + end - start
-                blocks = meta.block_tables[i, : -(-seq_len // block_size)].long()
-                q_pos = torch.arange(ctx, seq_len, device=device)
-                hidden = torch.arange(seq_len, device=device)[None, :] > q_pos[:, None]
-                prefills.append(PrefillSeq(start, end, blocks, _additive_mask(hidden, dtype)))
+                prefills.append(cls._prefill(meta, i, start, end, ctx, block_size, dtype, window))
 
         if decode_kernel:
             kernel = None
@@ -134,10 +132,35 @@ class TorchAttentionPlan:
             else:
                 groups.append([i])
         plan = [
-            cls._decode_group(meta, group, starts, context_lens, block_size, dtype)
+            cls._decode_group(meta, group, starts, context_lens, block_size, dtype, window)
             for group in groups
         ]
         return cls(plan, prefills)
+
+    @staticmethod
+    def _prefill(
+        meta: AttentionMetadata,
+        seq: int,
+        start: int,
+        end: int,
+        ctx: int,
+        block_size: int,
+        dtype: torch.dtype,
+        window: int | None,
+    ) -> PrefillSeq:
+        if ctx == 0 and window is None:
+            return PrefillSeq(start, end, None, None)
+        device = meta.block_tables.device
+        seq_len = ctx + end - start
+        blocks = None
+        if ctx > 0:
+            blocks = meta.block_tables[seq, : -(-seq_len // block_size)].long()
+        q_pos = torch.arange(ctx, seq_len, device=device)[:, None]
+        key_pos = torch.arange(seq_len, device=device)[None, :]
+        hidden = key_pos > q_pos
+        if window is not None:
+            hidden |= key_pos <= q_pos - window
+        return PrefillSeq(start, end, blocks, _additive_mask(hidden, dtype))
 
     @staticmethod
     def _decode_group(
@@ -147,6 +170,7 @@ class TorchAttentionPlan:
         context_lens: list[int],
         block_size: int,
         dtype: torch.dtype,
+        window: int | None,
     ) -> DecodeGroup:
         device = meta.block_tables.device
         index = _as_index(seqs, device)
@@ -154,7 +178,10 @@ class TorchAttentionPlan:
         # Padding entries (0 or -1) read some block's keys; the mask hides them.
         tables = meta.block_tables[index, :num_blocks].clamp(min=0).long()
         key_pos = torch.arange(num_blocks * block_size, device=device)
-        hidden = key_pos[None, :] >= meta.seq_lens[index][:, None]
+        seq_lens = meta.seq_lens[index][:, None]
+        hidden = key_pos[None, :] >= seq_lens
+        if window is not None:
+            hidden |= key_pos[None, :] < seq_lens - window
         mask = _additive_mask(hidden, dtype)[:, None, None, :]
         rows = _as_index([starts[i] for i in seqs], device)
         return DecodeGroup(rows, tables.reshape(-1), mask)

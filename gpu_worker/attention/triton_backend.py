@@ -43,12 +43,13 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         self._write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         if q.shape[0] == 0:
             return torch.empty_like(q)
         if meta.is_pure_decode:
-            return self._decode(q, kv_cache, meta.block_tables, meta.seq_lens, scale)
+            return self._decode(q, kv_cache, meta.block_tables, meta.seq_lens, scale, window=window)
         return self._prefill(
             q,
             kv_cache,
@@ -58,4 +59,5 @@ class TritonAttentionBackend:
             meta.context_lens,
             meta.max_query_len,
             scale,
+            window=window,
         )

@@ -47,3 +47,29 @@ def test_pure_decode_batch_matches_the_torch_backend() -> None:
         backend.plan(meta, cache)
         outputs.append(backend.forward(q, k, v, cache, meta, head_dim**-0.5))
     torch.testing.assert_close(outputs[1], outputs[0], atol=2e-5, rtol=2e-5)
+
+
+def test_sliding_window_matches_the_reference() -> None:
+    """Both backends with a window shorter than the sequences, on a mixed step (prefix
+    chunk, fresh prefill, decodes) and a pure-decode step, against the kernels' torch
+    reference; each step also runs windowless in between, as layers of a model may."""
+    from kernels.prefill_attention import paged_prefill_attention_ref
+
+    torch.manual_seed(4)
+    num_heads, num_kv_heads, head_dim, block_size, window = 4, 2, 32, 16, 11
+    tables = [[0, 1], [2, 3], [4, 5, 6], [7]]
+    for query_lens, context_lens in (([5, 17, 1, 1], [20, 0, 33, 7]), ([1] * 4, [20, 30, 40, 9])):
+        meta = build_attention_metadata(query_lens, context_lens, tables, block_size)
+        tokens = sum(query_lens)
+        q = torch.randn(tokens, num_heads, head_dim)
+        k = torch.randn(tokens, num_kv_heads, head_dim)
+        v = torch.randn(tokens, num_kv_heads, head_dim)
+        [cache] = allocate_kv_caches(1, 8, block_size, num_kv_heads, head_dim, torch.float32, "cpu")
+        cache.normal_()
+        args = (meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.context_lens, 0.2)
+        for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
+            backend.plan(meta, cache)
+            for win in (window, None, window):
+                out = backend.forward(q, k, v, cache, meta, 0.2, win)
+                expected = paged_prefill_attention_ref(q, cache, *args, window=win)
+                torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)

@@ -43,6 +43,16 @@ class ModelConfig:
     attention_out_bias: bool = False
     """Bias on the output projection (Llama with `attention_bias: true`)."""
     sliding_window: int | None = None
-    """Mistral v0.1's window; not applied by attention, so the engine caps max_model_len."""
+    """The sliding attention window (Mistral v0.1's): a query at position p sees keys
+    p - window < k <= p; which layers slide is `layer_windows`'s, else every layer."""
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    layer_windows: tuple[int | None, ...] | None = None
+    """Each layer's sliding window, None for a global layer (Qwen2's `max_window_layers`,
+    Gemma's local/global patterns); None here means every layer has `sliding_window`."""
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of decoder layer `layer`, or None if it attends globally."""
+        if self.layer_windows is not None:
+            return self.layer_windows[layer]
+        return self.sliding_window

@@ -71,7 +71,8 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     is_qwen2 = arch == "Qwen2ForCausalLM"
     llama_bias = bool(cfg.get("attention_bias", False)) and not is_qwen2
     window = cfg.get("sliding_window")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window"):
+    is_qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    if is_qwen and not cfg.get("use_sliding_window"):
         window = None
     return ModelConfig(
         architecture=arch,
@@ -92,7 +93,20 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         sliding_window=window,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_ids(cfg.get("eos_token_id")),
+        layer_windows=_qwen_layer_windows(cfg, window) if is_qwen else None,
     )
+
+
+def _qwen_layer_windows(cfg: dict[str, Any], window: int | None) -> tuple[int | None, ...] | None:
+    """Which Qwen layers slide, as transformers decides: config.json's `layer_types`, else
+    every layer from `max_window_layers` on (the first ones attend globally)."""
+    if window is None:
+        return None
+    num_layers = cfg["num_hidden_layers"]
+    first = cfg.get("max_window_layers", 28)
+    default = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    types = cfg.get("layer_types") or default
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 def iter_hf_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -114,6 +114,8 @@ class Attention(nn.Module):
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
         self.backend = backend
+        self.window: int | None = None
+        """This layer's sliding window (None: global); `LlamaModel` sets it per layer."""
         self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
@@ -133,7 +135,7 @@ class Attention(nn.Module):
         )
         q, k = self.ops.rotate(self.norm_qk(qk), self.num_heads, rotary)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
     def norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
@@ -207,9 +209,10 @@ class LlamaModel(nn.Module):
         # the loader overwrites every weight anyway.
         shape = (config.vocab_size, config.hidden_size)
         self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, ops, attention) for _ in range(config.num_layers)
-        )
+        layers = [DecoderLayer(config, backend, ops, attention) for _ in range(config.num_layers)]
+        for i, layer in enumerate(layers):
+            layer.self_attn.window = config.window_of(i)
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
 

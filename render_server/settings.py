@@ -141,9 +141,12 @@ class RenderSettings(BaseSettings):
     tool_call_parser: Annotated[str | None, Flag(metavar="NAME")] = None
     """How to read tool calls in the model's text: hermes, llama3_json, mistral, pythonic
     (default: the one whose format the chat template asks for, e.g. hermes for
-    chatml_tools and Qwen2.5)."""
+    chatml_tools and Qwen2.5; else the model family's: hermes for Qwen3, llama3_json for
+    Llama 3, mistral for Mistral, none for Gemma and Phi)."""
     reasoning_parser: Annotated[str | None, Flag(metavar="NAME")] = None
-    """Split the model's reasoning from its answer: deepseek_r1 or qwen3."""
+    """Split the model's reasoning from its answer: deepseek_r1 or qwen3 (default: qwen3
+    for a Qwen3 model, by config.json `architectures` or GGUF `general.architecture`;
+    none for other families)."""
     structured_outputs_in_reasoning: bool = False
     """Apply structured-output constraints to the reasoning too (vLLM's
     enable_in_reasoning); by default, with a reasoning parser, they hold only for the

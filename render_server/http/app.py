@@ -27,6 +27,7 @@ from render_server.http.middleware import (
     LimitsMiddleware,
     RequestContextMiddleware,
 )
+from render_server.parsing.family_defaults import family_defaults
 from render_server.settings import RenderSettings
 from render_server.store import open_store
 from render_server.templating.chat_template import ChatRenderer
@@ -82,6 +83,17 @@ def build_state(settings: RenderSettings) -> RenderState:
         tokenizer.vocab_size,
         tokenizer.max_model_len,
     )
+    # The model's own template, not --chat-template's: it tells Llama 3 from Llama 2.
+    defaults = family_defaults(source, tokenizer.chat_template)
+    if settings.reasoning_parser is None and defaults.reasoning_parser is not None:
+        settings = settings.model_copy(update={"reasoning_parser": defaults.reasoning_parser})
+    if defaults.family is not None:
+        logger.info(
+            "model family %s: default tool-call parser %s, reasoning parser %s",
+            defaults.family,
+            defaults.tool_call_parser,
+            settings.reasoning_parser,
+        )
     metrics = RenderMetrics(settings.metrics_multiprocess_dir)
     workers = discovery = None
     if not settings.render_only and (settings.workers or settings.worker_dns):
@@ -111,6 +123,7 @@ def build_state(settings: RenderSettings) -> RenderState:
         renderer=renderer,
         metrics=metrics,
         token_text=TokenText(tokenizer),
+        family_tool_parser=defaults.tool_call_parser,
         generation_metrics=GenerationMetrics(
             metrics, workers.statuses if workers is not None else None, model_name=source.name
         ),

@@ -60,6 +60,7 @@ def tool_setup(
     enable_auto_tool_choice: bool,
     chat_template: str | None,
     builtin_template: str | None,
+    family_tool_parser: str | None = None,
 ) -> ToolSetup:
     """What the operator's flags and the templates mean for tools.
 
@@ -68,13 +69,14 @@ def tool_setup(
     no `--chat-template` replaced it), else None. A `--tool-call-parser` keeps vLLM's
     meaning: that parser, and "auto" only with `--enable-auto-tool-choice`; the built-in
     template is then used only when it writes that parser's format. Without one, the
-    template tool requests render with decides the parser, and "auto" is allowed when it
+    template tool requests render with decides the parser, else the model family's
+    (`family_tool_parser`, from `family_defaults`), and "auto" is allowed when either
     names one.
     """
     if tool_call_parser is not None:
         agrees = template_tool_parser(builtin_template) == tool_call_parser
         return ToolSetup(tool_call_parser, enable_auto_tool_choice, agrees)
-    parser = template_tool_parser(builtin_template or chat_template)
+    parser = template_tool_parser(builtin_template or chat_template) or family_tool_parser
     return ToolSetup(parser, parser is not None, builtin_template is not None)
 
 

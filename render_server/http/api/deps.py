@@ -63,6 +63,9 @@ class RenderState:
     generate_requests: dict[str, set[Generation]] = field(default_factory=dict)
     """Open /inference/v1/generate requests by the client's request_id (ids may repeat),
     for /inference/v1/abort_requests."""
+    family_tool_parser: str | None = None
+    """The model family's tool-call parser (`family_defaults`), for when neither
+    --tool-call-parser nor the chat template names one."""
 
     @cached_property
     def system_fingerprint(self) -> str:
@@ -108,6 +111,7 @@ class RenderState:
             enable_auto_tool_choice=settings.enable_auto_tool_choice,
             chat_template=self.renderer.chat_template,
             builtin_template=self.renderer.tools_template,
+            family_tool_parser=self.family_tool_parser,
         )
 
     def check_model(self, requested: str | None) -> None:

@@ -371,12 +371,9 @@ class Engine:
 
 
 def max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
-    """The configured limit, else the model's context; never past a sliding window (the
-    cache keeps every token, so attention past the window would differ from the model's)."""
-    limit = config.max_model_len or model_config.max_position_embeddings
-    if model_config.sliding_window is not None:
-        limit = min(limit, model_config.sliding_window)
-    return limit
+    """The configured limit, else the model's context. A sliding window does not bound it:
+    attention masks keys outside each layer's window (the cache keeps them all)."""
+    return config.max_model_len or model_config.max_position_embeddings
 
 
 def decode_graph_batch_size(

@@ -20,7 +20,7 @@ from gpu_worker.loader import config_from_hf, gguf_to_hf_name, load_model
 from gpu_worker.models import MODEL_REGISTRY, Qwen3ForCausalLM
 from gpu_worker.ops.layer_ops import TritonLayerOps
 from shared.model_source import resolve_model
-from tests.helpers.tiny_models import PagedRunner, _SeqState, save_tiny_model
+from tests.helpers.tiny_models import PagedRunner, _SeqState, save_tiny_model, save_tiny_tokenizer
 from tests.unit.test_llama_model import (
     Pair,
     _hf_logits,
@@ -84,6 +84,24 @@ def test_prefix_cache_hit_reads_shared_blocks(pair: Pair) -> None:
     got = runner.step({1: suffix})[1]
     expected = _hf_logits(pair.hf, shared + suffix)[12:]
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def test_engine_prefix_cache_hit_gives_transformers_tokens(pair: Pair, tmp_path: Path) -> None:
+    """Through the engine: the second prompt's first 32 tokens hit the first one's cached
+    blocks, and both greedy continuations are transformers'."""
+    from gpu_worker import Engine
+    from shared.sampling import SamplingParams
+
+    pair.hf.save_pretrained(tmp_path)
+    save_tiny_tokenizer(tmp_path, pair.config.vocab_size)
+    engine = Engine(model=str(tmp_path), device="cpu", max_model_len=96, kv_cache_memory_gb=0.01)
+    vocab = pair.config.vocab_size
+    shared = _prompt(50, 32, vocab)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    for prompt in (shared + _prompt(51, 5, vocab), shared + _prompt(52, 9, vocab)):
+        (done,) = engine.generate([prompt], params)
+        assert done.token_ids == _hf_greedy(pair.hf, prompt, 5)
+    assert done.num_cached_tokens == 32
 
 
 def test_triton_backend_matches_transformers(tmp_path: Path) -> None:

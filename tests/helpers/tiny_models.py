@@ -19,6 +19,7 @@ from torch import nn
 
 from gpu_worker.attention.backend import AttentionBackend
 from gpu_worker.attention.metadata import build_attention_metadata
+from gpu_worker.models.base import CausalLM
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.runner.kv_caches import allocate_kv_caches
 
@@ -128,7 +129,11 @@ class PagedRunner:
     def step(self, batch: dict[int, list[int]]) -> dict[int, torch.Tensor]:
         """One flattened step over `seq_id -> new token ids`; returns each sequence's fp32
         logits for its new tokens [len(tokens), vocab]."""
-        query_lens, context_lens, tables, ids, positions = [], [], [], [], []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
+        ids: list[int] = []
+        positions: list[int] = []
         for seq_id, tokens in batch.items():
             state = self.seqs.setdefault(seq_id, _SeqState())
             total = state.num_computed_tokens + len(tokens)
@@ -150,7 +155,7 @@ class PagedRunner:
         )
         for seq_id, tokens in batch.items():
             self.seqs[seq_id].num_computed_tokens += len(tokens)
-        logits = self.model.compute_logits(hidden).split(query_lens)
+        logits = cast(CausalLM, self.model).compute_logits(hidden).split(query_lens)
         return dict(zip(batch.keys(), logits, strict=True))
 
     def greedy(self, seq_id: int, prompt: list[int], max_tokens: int) -> list[int]:

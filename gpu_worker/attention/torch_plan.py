@@ -124,10 +124,10 @@ class TorchAttentionPlan:
         decodes.sort(key=lambda i: context_lens[i])
         groups: list[list[int]] = []
         for i in decodes:  # ascending length: the newest member is the group's longest
-            if groups and (
-                budget is None
-                or (len(groups[-1]) + 1) * (context_lens[i] + 1) * token_bytes <= budget
-            ):
+            keys = context_lens[i] + 1
+            if window is not None:
+                keys = min(keys, window + block_size)  # gathered from the window's block on
+            if groups and (budget is None or (len(groups[-1]) + 1) * keys * token_bytes <= budget):
                 groups[-1].append(i)
             else:
                 groups.append([i])
@@ -174,14 +174,24 @@ class TorchAttentionPlan:
     ) -> DecodeGroup:
         device = meta.block_tables.device
         index = _as_index(seqs, device)
-        num_blocks = -(-(context_lens[seqs[-1]] + 1) // block_size)
-        # Padding entries (0 or -1) read some block's keys; the mask hides them.
-        tables = meta.block_tables[index, :num_blocks].clamp(min=0).long()
-        key_pos = torch.arange(num_blocks * block_size, device=device)
         seq_lens = meta.seq_lens[index][:, None]
-        hidden = key_pos[None, :] >= seq_lens
-        if window is not None:
-            hidden |= key_pos[None, :] < seq_lens - window
+        if window is None:
+            num_blocks = -(-(context_lens[seqs[-1]] + 1) // block_size)
+            # Padding entries (0 or -1) read some block's keys; the mask hides them.
+            tables = meta.block_tables[index, :num_blocks].clamp(min=0).long()
+            hidden = torch.arange(num_blocks * block_size, device=device)[None, :] >= seq_lens
+        else:
+            # Each sequence's blocks from the one holding its window's first key: a long
+            # context costs a window's worth of gather, not the whole context.
+            first = [max(context_lens[i] + 1 - window, 0) // block_size for i in seqs]
+            ends = [-(-(context_lens[i] + 1) // block_size) for i in seqs]
+            num_blocks = max(end - f for f, end in zip(first, ends, strict=True))
+            first_t = torch.tensor(first, device=device)[:, None]
+            cols = first_t + torch.arange(num_blocks, device=device)
+            cols = cols.clamp(max=meta.block_tables.shape[1] - 1)  # past the end: masked
+            tables = meta.block_tables[index].gather(1, cols).clamp(min=0).long()
+            key_pos = first_t * block_size + torch.arange(num_blocks * block_size, device=device)
+            hidden = (key_pos >= seq_lens) | (key_pos < seq_lens - window)
         mask = _additive_mask(hidden, dtype)[:, None, None, :]
         rows = _as_index([starts[i] for i in seqs], device)
         return DecodeGroup(rows, tables.reshape(-1), mask)

@@ -50,9 +50,24 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...] | None = None
     """Each layer's sliding window, None for a global layer (Qwen2's `max_window_layers`,
     Gemma's local/global patterns); None here means every layer has `sliding_window`."""
+    num_experts: int = 0
+    """Experts per sparse MoE layer (Mixtral, Qwen3-MoE); 0 for a dense model."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 0
+    """Each expert's inner size (`intermediate_size` stays the dense layers')."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k routing weights to sum to one (Mixtral always does)."""
+    dense_layers: tuple[int, ...] = ()
+    """Layers of an MoE model whose MLP is dense (Qwen3-MoE's `mlp_only_layers` and
+    `decoder_sparse_step`)."""
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of decoder layer `layer`, or None if it attends globally."""
         if self.layer_windows is not None:
             return self.layer_windows[layer]
         return self.sliding_window
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer`'s MLP is a sparse mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers

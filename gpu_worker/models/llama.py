@@ -10,7 +10,7 @@ bf16, GGUF blocks) are `gpu_worker.ops.linear`'s.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -158,6 +158,10 @@ class MLP(nn.Module):
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
+MLPFactory = Callable[[ModelConfig, LayerOps, int], nn.Module]
+"""Builds decoder layer `i`'s feed-forward block (`LlamaForCausalLM.build_mlp`)."""
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block over a residual stream carried between layers: each
     residual add is fused into the norm after it."""
@@ -168,12 +172,13 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         ops: LayerOps,
         attention: type[Attention] = Attention,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.self_attn = attention(config, backend, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.mlp = MLP(config, ops)
+        self.mlp = mlp if mlp is not None else MLP(config, ops)
 
     def forward(
         self,
@@ -203,13 +208,19 @@ class LlamaModel(nn.Module):
         backend: AttentionBackend,
         ops: LayerOps,
         attention: type[Attention] = Attention,
+        mlp: MLPFactory | None = None,
     ) -> None:
         super().__init__()
         # An empty `_weight` skips the random init (on meta it would import torch._dynamo):
         # the loader overwrites every weight anyway.
         shape = (config.vocab_size, config.hidden_size)
         self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
-        layers = [DecoderLayer(config, backend, ops, attention) for _ in range(config.num_layers)]
+        layers = [
+            DecoderLayer(
+                config, backend, ops, attention, None if mlp is None else mlp(config, ops, i)
+            )
+            for i in range(config.num_layers)
+        ]
         for i, layer in enumerate(layers):
             layer.self_attn.window = config.window_of(i)
         self.layers = nn.ModuleList(layers)
@@ -227,13 +238,17 @@ class LlamaForCausalLM(CausalLM):
     ) -> None:
         super().__init__(config, backend, ops)
         self.ops = ops = ops or TorchLayerOps()
-        self.model = LlamaModel(config, backend, ops, self.attention)
+        self.model = LlamaModel(config, backend, ops, self.attention, self.build_mlp)
         self.rotary = RotaryEmbedding(config)
         # Tied models read the embedding matrix directly, so no second parameter can drift.
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.logits_head = LogitsHead()
+
+    def build_mlp(self, config: ModelConfig, ops: LayerOps, layer: int) -> nn.Module:
+        """Decoder layer `layer`'s feed-forward block: families with experts override it."""
+        return MLP(config, ops)
 
     def stacked_params(self) -> StackedParams:
         """HF projection name -> (our fused projection, its rows there)."""

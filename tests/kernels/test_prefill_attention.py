@@ -180,3 +180,15 @@ def test_prefill_window_small_tiles(make_paged_batch, device):
     args = (q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.context_lens)
     out = paged_prefill_attention(*args, 1, 0.125, window=6)
     _assert_close(out, paged_prefill_attention_ref(*args, 0.125, 6), dtype)
+
+
+def test_prefill_window_ignores_keys_outside(make_paged_batch, device):
+    """Key tiles wholly before a tile's first window are never read: NaN there leaves the
+    output finite (a chunk of 4 at position 300, window 8: keys 0..255 lie before the
+    window's key tile for every BLOCK_N up to 128)."""
+    dtype = torch.float32
+    q, kv_cache, meta = _prefill_inputs(make_paged_batch, [4], [300], 2, 64, dtype, device)
+    args = (q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.context_lens)
+    expected = paged_prefill_attention_ref(*args, 0.125, 8)
+    kv_cache[:, meta.block_tables[0, :16].long()] = float("nan")
+    _assert_close(paged_prefill_attention(*args, 4, 0.125, window=8), expected, dtype)

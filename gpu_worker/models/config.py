@@ -18,6 +18,19 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class LongRope:
+    """Phi-3's LongRoPE: per-pair frequency divisors for contexts up to the original
+    pretraining length (`short_factor`) and beyond it (`long_factor`), and a factor on
+    cos/sin. Which set a model uses is `gpu_worker.models.llama.rope_inv_freq`'s rule."""
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    attention_factor: float
+    """Multiplies cos and sin (transformers' `attention_scaling`), whichever set is used."""
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of a decoder-only model, whatever file it came from."""
 
@@ -61,6 +74,11 @@ class ModelConfig:
     dense_layers: tuple[int, ...] = ()
     """Layers of an MoE model whose MLP is dense (Qwen3-MoE's `mlp_only_layers` and
     `decoder_sparse_step`)."""
+    rotary_dim: int | None = None
+    """How many leading dims of each head rotate (Phi-3/4's `partial_rotary_factor`); the
+    rest pass through. None: all of head_dim."""
+    longrope: LongRope | None = None
+    """LongRoPE scaling (Phi-3 `rope_type: longrope`); None for other kinds."""
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of decoder layer `layer`, or None if it attends globally."""

@@ -53,10 +53,26 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Per-pair inverse frequencies [head_dim // 2], with llama3 scaling or GGUF factors."""
-    dim = config.head_dim
+    """Per-pair inverse frequencies [rotary_dim // 2], with llama3 scaling, GGUF factors or
+    LongRoPE.
+
+    LongRoPE's set is fixed per model, not per step: long factors iff the model serves
+    positions past the original context (`max_position_embeddings` > original), as
+    llama.cpp decides by its context size. transformers picks per forward by the longest
+    sequence, and its generate recomputes the whole cache with long factors once a sequence
+    passes the original length; a paged cache cannot redo its keys, and keys that depend
+    only on token and position keep prefix caching exact. So every sequence gets
+    transformers' numbers in the regime the model is configured for (a long-context model:
+    sequences past the original length; a model capped at it: all of them)."""
+    dim = config.rotary_dim or config.head_dim
     # fp32 throughout, op for op as transformers does, so cos/sin match it bit for bit.
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2).float() / dim))
+    exponents = torch.arange(0, dim, 2).float() / dim
+    longrope = config.longrope
+    if longrope is not None:
+        use_long = config.max_position_embeddings > longrope.original_max_position_embeddings
+        factors = longrope.long_factor if use_long else longrope.short_factor
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * config.rope_theta**exponents)
+    inv_freq = 1.0 / (config.rope_theta**exponents)
     scaling = config.rope_scaling
     if scaling is not None:
         # llama3: keep high frequencies, divide low ones by `factor`, blend in between.
@@ -78,9 +94,9 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """cos/sin for every position, computed once in fp32 (HF's rotate_half convention).
 
-    Both tables span the whole head_dim: cos is [cos, cos] and sin is [-sin, sin], so that
-    rotating is `x * cos + roll(x, half) * sin`, four ops for q and k together. The
-    products are the ones HF forms (`-x2 * sin` there, `x2 * -sin` here), bit for bit.
+    Both tables span the rotated dims (head_dim, or `rotary_dim`): cos is [cos, cos] and
+    sin is [-sin, sin], so that rotating is `x * cos + roll(x, half) * sin`, four ops for q
+    and k together. The products are the ones HF forms (`-x2 * sin` there, `x2 * -sin` here), bit for bit.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -97,6 +113,9 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(self.config.max_position_embeddings, device=device).float()
         freqs = torch.outer(positions, inv_freq)
         cos, sin = freqs.cos(), freqs.sin()
+        if self.config.longrope is not None:
+            cos = cos * self.config.longrope.attention_factor
+            sin = sin * self.config.longrope.attention_factor
         self.cos_cache = torch.cat((cos, cos), dim=-1)
         self.sin_cache = torch.cat((-sin, sin), dim=-1)
 
@@ -110,6 +129,7 @@ class Attention(nn.Module):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
+        self.rotary_dim = config.rotary_dim or config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
@@ -133,10 +153,20 @@ class Attention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(
             -1, self.num_heads + self.num_kv_heads, self.head_dim
         )
-        q, k = self.ops.rotate(self.norm_qk(qk), self.num_heads, rotary)
+        q, k = self.rotate(self.norm_qk(qk), rotary)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.window)
         return self.o_proj(out.reshape(-1, self.q_size))
+
+    def rotate(self, qk: torch.Tensor, rotary: RotaryTables) -> tuple[torch.Tensor, torch.Tensor]:
+        """qk [tokens, heads + kv_heads, head_dim] -> rotated q and k."""
+        if self.rotary_dim == self.head_dim:
+            return self.ops.rotate(qk, self.num_heads, rotary)
+        # Partial rotary (Phi-3/4): the tables span the leading rotary_dim dims, which the
+        # ops rotate as if they were the whole head; the rest pass through unchanged.
+        q, k = self.ops.rotate(qk[..., : self.rotary_dim], self.num_heads, rotary)
+        q_pass, k_pass = qk[..., self.rotary_dim :].split([self.num_heads, self.num_kv_heads], 1)
+        return torch.cat((q, q_pass), dim=-1), torch.cat((k, k_pass), dim=-1)
 
     def norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
         """A hook before rotary for families that norm q and k per head (Qwen3); Llama

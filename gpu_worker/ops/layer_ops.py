@@ -1,5 +1,5 @@
 """The model's elementwise ops behind one interface: RMSNorm (plain and fused with the
-residual add), rotary embedding and SiLU-and-mul.
+residual add), rotary embedding, SiLU-and-mul and the experts of a sparse MoE layer.
 
 `TorchLayerOps` is plain torch, op for op what transformers computes, except RMSNorm on CPU
 fp32 where duet's CPU extension is built: `cpu_ops.rms_norm` is one pass instead of six aten
@@ -58,6 +58,50 @@ class LayerOps(Protocol):
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """`[tokens, 2 * inner]` (gate then up) -> `silu(gate) * up` `[tokens, inner]`."""
         ...
+
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """SwiGLU experts over routed tokens: x `[tokens, hidden]`, stacked expert weights
+        w13 `[experts, 2 * inner, hidden]` (gate rows then up rows) and w2
+        `[experts, hidden, inner]`, each token's experts `topk_ids [tokens, k]` and fp32
+        weights -> `sum_k weight * expert(x)` `[tokens, hidden]`."""
+        ...
+
+
+def moe_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """`LayerOps.fused_moe` in torch: the (token, expert) pairs are sorted by expert so that
+    each expert with tokens runs once, as two matmuls over its rows; the weighted rows are
+    summed back per token in fp32 (transformers' order: by expert, then by token)."""
+    num_tokens, k = topk_ids.shape
+    flat = topk_ids.flatten()
+    order = flat.argsort(stable=True)
+    # One host sync for the group sizes: a loop over experts needs them anyway.
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    token_of = order // k
+    rows = x.index_select(0, token_of)
+    out = torch.empty_like(rows)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            part = slice(start, start + count)
+            gate, up = F.linear(rows[part], w13[expert]).chunk(2, dim=-1)
+            out[part] = F.linear(F.silu(gate) * up, w2[expert])
+            start += count
+    weighted = out.float() * topk_weights.flatten().index_select(0, order)[:, None]
+    summed = weighted.new_zeros((num_tokens, x.shape[1])).index_add_(0, token_of, weighted)
+    return summed.to(x.dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -118,6 +162,16 @@ class TorchLayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        return moe_experts(x, w13, w2, topk_weights, topk_ids)
+
 
 class TritonLayerOps:
     """duet's Triton kernels (CUDA, or the interpreter in CPU tests)."""
@@ -126,6 +180,7 @@ class TritonLayerOps:
         # Imported here, not with the module: Triton picks compile or interpret at
         # decoration time, and CPU tests set TRITON_INTERPRET first.
         from kernels.activation import silu_and_mul
+        from kernels.fused_moe import fused_moe
         from kernels.rms_norm import fused_add_rms_norm, rms_norm
         from kernels.rotary import rotary_embedding
 
@@ -133,6 +188,7 @@ class TritonLayerOps:
         self._fused_add_rms_norm = fused_add_rms_norm
         self._rotary_embedding = rotary_embedding
         self._silu_and_mul = silu_and_mul
+        self._fused_moe = fused_moe
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._rms_norm(x, weight, eps)
@@ -155,6 +211,16 @@ class TritonLayerOps:
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._silu_and_mul(gate_up)
+
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        return self._fused_moe(x, w13, w2, topk_weights, topk_ids)
 
 
 def get_layer_ops(backend_name: str) -> LayerOps:

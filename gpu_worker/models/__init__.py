@@ -8,17 +8,25 @@ from __future__ import annotations
 
 from gpu_worker.models.base import CausalLM
 from gpu_worker.models.llama import LlamaForCausalLM
+from gpu_worker.models.mixtral import MixtralForCausalLM
+from gpu_worker.models.phi3 import Phi3ForCausalLM
 from gpu_worker.models.qwen3 import Qwen3ForCausalLM
+from gpu_worker.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     # GGUF architecture names (Mistral GGUFs say "llama").
     "llama": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": Qwen3ForCausalLM,
+    "phi3": Phi3ForCausalLM,
+    "qwen3moe": Qwen3MoeForCausalLM,
 }
 
 
@@ -35,6 +43,9 @@ __all__ = [
     "MODEL_REGISTRY",
     "CausalLM",
     "LlamaForCausalLM",
+    "MixtralForCausalLM",
+    "Phi3ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
     "get_model_class",
 ]

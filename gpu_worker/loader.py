@@ -40,6 +40,8 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen2": "Qwen2ForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 
@@ -74,6 +76,8 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     is_qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
     if is_qwen and not cfg.get("use_sliding_window"):
         window = None
+    if arch == "Qwen3MoeForCausalLM" and not cfg.get("use_sliding_window"):
+        window = None  # Qwen3-MoE slides every layer when it slides at all
     return ModelConfig(
         architecture=arch,
         vocab_size=cfg["vocab_size"],
@@ -94,7 +98,33 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_ids(cfg.get("eos_token_id")),
         layer_windows=_qwen_layer_windows(cfg, window) if is_qwen else None,
+        **_moe_from_hf(arch, cfg),
     )
+
+
+def _moe_from_hf(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's expert fields, as transformers' Mixtral and Qwen3-MoE configs read them."""
+    if arch == "MixtralForCausalLM":
+        return {
+            "num_experts": cfg.get("num_local_experts", 8),
+            "num_experts_per_tok": cfg.get("num_experts_per_tok", 2),
+            "moe_intermediate_size": cfg["intermediate_size"],
+            "norm_topk_prob": True,
+        }
+    if arch == "Qwen3MoeForCausalLM":
+        num_layers, step = cfg["num_hidden_layers"], cfg.get("decoder_sparse_step", 1)
+        only = set(cfg.get("mlp_only_layers") or ())
+        # transformers 5 saves `num_experts` under its attribute-map name.
+        num_experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 128
+        dense = [i for i in range(num_layers) if i in only or (i + 1) % step]
+        return {
+            "num_experts": num_experts,
+            "num_experts_per_tok": cfg.get("num_experts_per_tok", 8),
+            "moe_intermediate_size": cfg.get("moe_intermediate_size", 768),
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            "dense_layers": tuple(dense),
+        }
+    return {}
 
 
 def _qwen_layer_windows(cfg: dict[str, Any], window: int | None) -> tuple[int | None, ...] | None:

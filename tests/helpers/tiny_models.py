@@ -23,7 +23,7 @@ from gpu_worker.models.base import CausalLM
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.runner.kv_caches import allocate_kv_caches
 
-Family = Literal["llama", "qwen2", "mistral", "qwen3"]
+Family = Literal["llama", "qwen2", "mistral", "qwen3", "mixtral", "qwen3_moe"]
 
 _SIZES: dict[str, Any] = dict(
     vocab_size=256,
@@ -34,6 +34,11 @@ _SIZES: dict[str, Any] = dict(
     num_key_value_heads=2,
     max_position_embeddings=256,
 )
+# Families' own defaults, which `overrides` may replace: few, small experts, top-2.
+_FAMILY_SIZES: dict[str, dict[str, Any]] = {
+    "mixtral": dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
+}
 
 
 def tiny_hf_model(
@@ -45,8 +50,11 @@ def tiny_hf_model(
         "qwen2": transformers.Qwen2Config,
         "mistral": transformers.MistralConfig,
         "qwen3": transformers.Qwen3Config,
+        "mixtral": transformers.MixtralConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
     }[family]
-    config = config_cls(**_SIZES, tie_word_embeddings=tie_word_embeddings, **overrides)
+    sizes = {**_SIZES, **_FAMILY_SIZES.get(family, {}), **overrides}
+    config = config_cls(**sizes, tie_word_embeddings=tie_word_embeddings)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

@@ -9,6 +9,7 @@ rotate_half rotary convention.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import deque
 from collections.abc import Iterator
@@ -25,7 +26,7 @@ from safetensors import safe_open
 from gpu_worker.attention.backend import AttentionBackend
 from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from gpu_worker.models import CausalLM, get_model_class
-from gpu_worker.models.config import ModelConfig, RopeScaling
+from gpu_worker.models.config import LongRope, ModelConfig, RopeScaling
 from gpu_worker.ops.gguf_linear import (
     QuantizedWeight,
     gguf_quantized_weights,
@@ -40,6 +41,7 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen2": "Qwen2ForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
@@ -59,6 +61,14 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         raise NotImplementedError(f"{arch}: only bias-free SiLU MLPs are supported")
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    is_phi3 = arch == "Phi3ForCausalLM"
+    if is_phi3 and rope_type in ("su", "yarn"):  # Phi3Config's old names for longrope
+        rope_type = "longrope"
+    num_heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    rotary_dim = int(head_dim * partial)
+    longrope = None
     scaling = None
     if rope_type == "llama3":
         scaling = RopeScaling(
@@ -67,9 +77,10 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             high_freq_factor=float(rope["high_freq_factor"]),
             original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
         )
+    elif rope_type == "longrope":
+        longrope = _longrope_from_hf(cfg, rope)
     elif rope_type != "default":
         raise NotImplementedError(f"rope type {rope_type!r} is not supported")
-    num_heads = cfg["num_attention_heads"]
     is_qwen2 = arch == "Qwen2ForCausalLM"
     llama_bias = bool(cfg.get("attention_bias", False)) and not is_qwen2
     window = cfg.get("sliding_window")
@@ -86,7 +97,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         num_layers=cfg["num_hidden_layers"],
         num_heads=num_heads,
         num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+        head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
@@ -98,6 +109,8 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_ids(cfg.get("eos_token_id")),
         layer_windows=_qwen_layer_windows(cfg, window) if is_qwen else None,
+        rotary_dim=rotary_dim if rotary_dim != head_dim else None,
+        longrope=longrope,
         **_moe_from_hf(arch, cfg),
     )
 
@@ -125,6 +138,31 @@ def _moe_from_hf(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
             "dense_layers": tuple(dense),
         }
     return {}
+
+
+def _longrope_from_hf(cfg: dict[str, Any], rope: dict[str, Any]) -> LongRope:
+    """transformers' `_compute_longrope_parameters`: Phi-3 keeps the original context at
+    the top level (it wins over the rope dict's); without an explicit `factor` the
+    attention factor follows from max / original context."""
+    original = int(
+        cfg.get("original_max_position_embeddings")
+        or rope.get("original_max_position_embeddings")
+        or cfg["max_position_embeddings"]
+    )
+    factor = rope.get("factor")
+    if factor is None:
+        factor = cfg["max_position_embeddings"] / original
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0
+        if factor > 1.0:
+            attention_factor = math.sqrt(1 + math.log(factor) / math.log(original))
+    return LongRope(
+        short_factor=tuple(float(f) for f in rope["short_factor"]),
+        long_factor=tuple(float(f) for f in rope["long_factor"]),
+        original_max_position_embeddings=original,
+        attention_factor=float(attention_factor),
+    )
 
 
 def _qwen_layer_windows(cfg: dict[str, Any], window: int | None) -> tuple[int | None, ...] | None:
@@ -171,7 +209,7 @@ def _required(value: int | None, meta: GGUFMetadata, key: str) -> int:
 def config_from_gguf(meta: GGUFMetadata) -> ModelConfig:
     """ModelConfig from a GGUF file's `{arch}.*` metadata and its tensor table."""
     arch = meta.string("general.architecture")
-    if arch not in ("llama", "qwen2", "qwen3"):
+    if arch not in ("llama", "qwen2", "qwen3", "phi3"):
         raise NotImplementedError(f"GGUF architecture {arch!r} is not supported")
 
     def integer(key: str) -> int:
@@ -185,6 +223,16 @@ def config_from_gguf(meta: GGUFMetadata) -> ModelConfig:
     freq_factors = None
     if "rope_freqs.weight" in meta.tensors:
         freq_factors = tuple(_gguf_tensor_values(meta, "rope_freqs.weight"))
+    head_dim = meta.integer(f"{arch}.attention.key_length", hidden // num_heads)
+    rotary_dim = meta.integer(f"{arch}.rope.dimension_count", head_dim)
+    longrope = None
+    if "rope_factors_long.weight" in meta.tensors:  # Phi-3's LongRoPE, as llama.cpp stores it
+        longrope = LongRope(
+            short_factor=tuple(_gguf_tensor_values(meta, "rope_factors_short.weight")),
+            long_factor=tuple(_gguf_tensor_values(meta, "rope_factors_long.weight")),
+            original_max_position_embeddings=integer("rope.scaling.original_context_length"),
+            attention_factor=meta.number(f"{arch}.rope.scaling.attn_factor", 1.0),
+        )
     return ModelConfig(
         architecture=arch,
         vocab_size=int(vocab),
@@ -193,7 +241,7 @@ def config_from_gguf(meta: GGUFMetadata) -> ModelConfig:
         num_layers=integer("block_count"),
         num_heads=num_heads,
         num_kv_heads=meta.integer(f"{arch}.attention.head_count_kv", num_heads),
-        head_dim=meta.integer(f"{arch}.attention.key_length", hidden // num_heads),
+        head_dim=head_dim,
         rms_norm_eps=meta.number(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
         rope_theta=meta.number(f"{arch}.rope.freq_base", 10000.0),
         max_position_embeddings=meta.integer(f"{arch}.context_length", 2048),
@@ -202,6 +250,9 @@ def config_from_gguf(meta: GGUFMetadata) -> ModelConfig:
         attention_bias=arch == "qwen2",
         bos_token_id=meta.integer("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_ids(meta.get("tokenizer.ggml.eos_token_id")),
+        sliding_window=meta.integer(f"{arch}.attention.sliding_window") if arch == "phi3" else None,
+        rotary_dim=rotary_dim if rotary_dim != head_dim else None,
+        longrope=longrope,
     )
 
 
@@ -215,6 +266,7 @@ _GGUF_LAYER = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -225,11 +277,19 @@ _GGUF_LAYER = {
 }
 
 
-def gguf_to_hf_name(name: str) -> str | None:
+# Where an architecture's tensor holds something else under the same GGUF name.
+_GGUF_LAYER_OF_ARCH = {
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},  # gate and up, fused as in HF's checkpoint
+}
+
+
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unused."""
     parts = name.split(".")
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER[parts[2]]}.{parts[3]}"
+        layer_names = _GGUF_LAYER_OF_ARCH.get(arch, {})
+        hf = layer_names.get(parts[2], _GGUF_LAYER[parts[2]])
+        return f"model.layers.{parts[1]}.{hf}.{parts[3]}"
     if len(parts) == 2 and parts[0] in _GGUF_GLOBAL:
         return f"{_GGUF_GLOBAL[parts[0]]}.{parts[1]}"
     return None
@@ -272,7 +332,8 @@ def _qk_row_order(name: str, rows: int, config: ModelConfig) -> np.ndarray | Non
 
 def gguf_block_weights(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, QuantizedWeight]:
     """HF name -> `QuantizedWeight` for each Q4_0/Q4_1/Q8_0 matrix, Q/K rows in HF order."""
-    named = [(n, t) for t in reader.tensors if (n := gguf_to_hf_name(t.name)) is not None]
+    arch = config.architecture
+    named = [(n, t) for t in reader.tensors if (n := gguf_to_hf_name(t.name, arch)) is not None]
     orders = {}
     for name, tensor in named:
         order = _qk_row_order(name, int(tensor.shape[-1]), config)
@@ -288,8 +349,9 @@ def iter_gguf_weights(
 
     numpy releases the GIL, so a few tensors are dequantized ahead on worker threads; the
     window is bounded so that at most `num_threads` fp32 tensors wait in memory at once."""
-    # Unmapped tensors (rope_freqs) are already folded into the config.
-    named = [(t, n) for t in reader.tensors if (n := gguf_to_hf_name(t.name)) is not None]
+    # Unmapped tensors (rope_freqs, rope_factors_*) are already folded into the config.
+    arch = config.architecture
+    named = [(t, n) for t in reader.tensors if (n := gguf_to_hf_name(t.name, arch)) is not None]
     window = num_threads or min(8, os.cpu_count() or 1)
     with ThreadPoolExecutor(window) as pool:
         pending: deque[tuple[str, Future[torch.Tensor]]] = deque()

@@ -23,7 +23,7 @@ from gpu_worker.models.base import CausalLM
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.runner.kv_caches import allocate_kv_caches
 
-Family = Literal["llama", "qwen2", "mistral", "qwen3", "mixtral", "qwen3_moe"]
+Family = Literal["llama", "qwen2", "mistral", "qwen3", "mixtral", "qwen3_moe", "phi3"]
 
 _SIZES: dict[str, Any] = dict(
     vocab_size=256,
@@ -38,6 +38,8 @@ _SIZES: dict[str, Any] = dict(
 _FAMILY_SIZES: dict[str, dict[str, Any]] = {
     "mixtral": dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2),
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
+    # Phi3Config's pad (an embedding row) and eos default to id 32000, past a tiny vocab.
+    "phi3": dict(pad_token_id=None, eos_token_id=2),
 }
 
 
@@ -52,6 +54,7 @@ def tiny_hf_model(
         "qwen3": transformers.Qwen3Config,
         "mixtral": transformers.MixtralConfig,
         "qwen3_moe": transformers.Qwen3MoeConfig,
+        "phi3": transformers.Phi3Config,
     }[family]
     sizes = {**_SIZES, **_FAMILY_SIZES.get(family, {}), **overrides}
     config = config_cls(**sizes, tie_word_embeddings=tie_word_embeddings)

@@ -96,7 +96,8 @@ class RotaryEmbedding(nn.Module):
 
     Both tables span the rotated dims (head_dim, or `rotary_dim`): cos is [cos, cos] and
     sin is [-sin, sin], so that rotating is `x * cos + roll(x, half) * sin`, four ops for q
-    and k together. The products are the ones HF forms (`-x2 * sin` there, `x2 * -sin` here), bit for bit.
+    and k together. The products are the ones HF forms (`-x2 * sin` there, `x2 * -sin`
+    here), bit for bit.
     """
 
     def __init__(self, config: ModelConfig) -> None:

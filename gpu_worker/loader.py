@@ -225,6 +225,8 @@ def config_from_gguf(meta: GGUFMetadata) -> ModelConfig:
         freq_factors = tuple(_gguf_tensor_values(meta, "rope_freqs.weight"))
     head_dim = meta.integer(f"{arch}.attention.key_length", hidden // num_heads)
     rotary_dim = meta.integer(f"{arch}.rope.dimension_count", head_dim)
+    # Phi-3's window; llama.cpp writes 0 for Phi-4, which has none.
+    window = meta.integer(f"{arch}.attention.sliding_window") if arch == "phi3" else None
     longrope = None
     if "rope_factors_long.weight" in meta.tensors:  # Phi-3's LongRoPE, as llama.cpp stores it
         longrope = LongRope(
@@ -250,7 +252,7 @@ def config_from_gguf(meta: GGUFMetadata) -> ModelConfig:
         attention_bias=arch == "qwen2",
         bos_token_id=meta.integer("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_ids(meta.get("tokenizer.ggml.eos_token_id")),
-        sliding_window=meta.integer(f"{arch}.attention.sliding_window") if arch == "phi3" else None,
+        sliding_window=window or None,
         rotary_dim=rotary_dim if rotary_dim != head_dim else None,
         longrope=longrope,
     )

@@ -165,6 +165,7 @@ def _write_gguf(hf: transformers.PreTrainedModel, path: Path) -> None:
     writer.add_rope_dimension_count(8)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_sliding_window(0)  # the converter's "no window" (Phi-4)
     writer.add_rope_scaling_orig_ctx_len(ORIGINAL)
     writer.add_rope_scaling_attn_factors(hf.model.rotary_emb.attention_scaling)
     writer.add_tensor("rope_factors_long.weight", np.array(LONG, dtype=np.float32))
@@ -191,7 +192,7 @@ def test_gguf_file_matches_transformers(tmp_path: Path) -> None:
     _write_gguf(hf, path)
     ours, config = load_model(resolve_model(str(path)), torch.device("cpu"))
     assert isinstance(ours, Phi3ForCausalLM)
-    assert (config.architecture, config.rotary_dim) == ("phi3", 8)
+    assert (config.architecture, config.rotary_dim, config.sliding_window) == ("phi3", 8, None)
     assert config.longrope is not None
     assert config.longrope.long_factor == tuple(LONG)
     assert config.longrope.original_max_position_embeddings == ORIGINAL

@@ -209,7 +209,7 @@ def _required(value: int | None, meta: GGUFMetadata, key: str) -> int:
 def config_from_gguf(meta: GGUFMetadata) -> ModelConfig:
     """ModelConfig from a GGUF file's `{arch}.*` metadata and its tensor table."""
     arch = meta.string("general.architecture")
-    if arch not in ("llama", "qwen2", "qwen3", "phi3"):
+    if arch not in ("llama", "qwen2", "qwen3", "phi3", "qwen3moe"):
         raise NotImplementedError(f"GGUF architecture {arch!r} is not supported")
 
     def integer(key: str) -> int:
@@ -235,8 +235,10 @@ def config_from_gguf(meta: GGUFMetadata) -> ModelConfig:
             original_max_position_embeddings=integer("rope.scaling.original_context_length"),
             attention_factor=meta.number(f"{arch}.rope.scaling.attn_factor", 1.0),
         )
+    moe = _moe_from_gguf(meta, arch, integer("block_count"))
     return ModelConfig(
-        architecture=arch,
+        # llama.cpp writes Mixtral as llama with experts; the registry knows it as mixtral.
+        architecture="mixtral" if arch == "llama" and moe else arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=integer("feed_forward_length"),
@@ -255,7 +257,29 @@ def config_from_gguf(meta: GGUFMetadata) -> ModelConfig:
         sliding_window=window or None,
         rotary_dim=rotary_dim if rotary_dim != head_dim else None,
         longrope=longrope,
+        **moe,
     )
+
+
+def _moe_from_gguf(meta: GGUFMetadata, arch: str, num_layers: int) -> dict[str, Any]:
+    """ModelConfig's expert fields from llama.cpp's `{arch}.expert_*` keys. llama.cpp
+    renormalises the top-k weights of Mixtral and Qwen3-MoE unless the file says otherwise;
+    a layer without a router tensor is dense."""
+    num_experts = meta.integer(f"{arch}.expert_count", 0)
+    if not num_experts:
+        return {}
+    inner = meta.integer(f"{arch}.expert_feed_forward_length")
+    norm = meta.get(f"{arch}.expert_weights_norm")
+    routed = {i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in meta.tensors}
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": _required(
+            meta.integer(f"{arch}.expert_used_count"), meta, f"{arch}.expert_used_count"
+        ),
+        "moe_intermediate_size": inner or meta.integer(f"{arch}.feed_forward_length"),
+        "norm_topk_prob": True if norm is None else bool(norm),
+        "dense_layers": tuple(i for i in range(num_layers) if i not in routed),
+    }
 
 
 _GGUF_GLOBAL = {
@@ -276,7 +300,15 @@ _GGUF_LAYER = {
     "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm",  # Qwen3
     "attn_k_norm": "self_attn.k_norm",
+    # MoE (Mixtral, Qwen3-MoE): the router, and each projection of all experts at once.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
+
+# llama.cpp permutes q/k rows only for its llama arch (Mixtral included).
+_PERMUTED_QK = ("llama", "mixtral")
 
 
 # Where an architecture's tensor holds something else under the same GGUF name.
@@ -310,7 +342,7 @@ def _dequantize(tensor: ReaderTensor, name: str, config: ModelConfig) -> torch.T
     array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     # gguf lists dimensions innermost first; numpy/torch want them outermost first.
     array = array.reshape(tuple(int(d) for d in reversed(tensor.shape)))
-    if config.architecture == "llama":  # llama.cpp permutes q/k only for its llama arch
+    if config.architecture in _PERMUTED_QK:
         if ".q_proj." in name:
             array = unpermute_qk(array, config.num_heads)
         elif ".k_proj." in name:
@@ -323,7 +355,7 @@ def _dequantize(tensor: ReaderTensor, name: str, config: ModelConfig) -> torch.T
 def _qk_row_order(name: str, rows: int, config: ModelConfig) -> np.ndarray | None:
     """`unpermute_qk` as row indices (for weights kept in their GGUF blocks); None for
     tensors it leaves alone."""
-    if config.architecture != "llama":
+    if config.architecture not in _PERMUTED_QK:
         return None
     if ".q_proj." in name:
         return unpermute_qk(np.arange(rows), config.num_heads)

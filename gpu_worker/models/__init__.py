@@ -27,6 +27,8 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "qwen3": Qwen3ForCausalLM,
     "phi3": Phi3ForCausalLM,
     "qwen3moe": Qwen3MoeForCausalLM,
+    # The loader's name for a GGUF llama with `llama.expert_count` (Mixtral).
+    "mixtral": MixtralForCausalLM,
 }
 
 

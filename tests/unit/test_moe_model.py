@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import gguf
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -30,6 +32,7 @@ from tests.unit.test_llama_model import (
     test_chunked_prefill_and_decode_in_mixed_batches,
     test_prefill_logits_match_transformers,
 )
+from tests.unit.test_loader import _llama_cpp_permute
 
 __all__ = [
     "test_chunked_prefill_and_decode_in_mixed_batches",
@@ -212,3 +215,77 @@ def test_expert_stacking_takes_either_layout() -> None:
         torch.testing.assert_close(out[f"{p}.down_proj"], down)
     with pytest.raises(ValueError, match="lacks 3 expert tensors"):
         list(stack_expert_weights(per_expert[3:], 3))
+
+
+def _write_gguf(hf: transformers.PreTrainedModel, path: Path, arch: str) -> None:
+    """What llama.cpp's converter writes, in F32: Mixtral as `llama` with experts (q/k rows
+    permuted), Qwen3-MoE as `qwen3moe`; each expert projection as one [experts, ...] tensor."""
+    cfg = hf.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_expert_count(cfg.num_local_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch == "qwen3moe":
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    model_arch = gguf.MODEL_ARCH.LLAMA if arch == "llama" else gguf.MODEL_ARCH.QWEN3MOE
+    names = gguf.get_tensor_name_map(model_arch, cfg.num_hidden_layers)
+    for name, tensor in hf.state_dict().items():
+        array = tensor.numpy()
+        layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+        if name.endswith("experts.gate_up_proj"):  # transformers 5 keeps gate/up fused
+            gate, up = np.split(array, 2, axis=1)
+            tensors = {
+                f"blk.{layer}.ffn_gate_exps.weight": gate,
+                f"blk.{layer}.ffn_up_exps.weight": up,
+            }
+        elif name.endswith("experts.down_proj"):
+            tensors = {f"blk.{layer}.ffn_down_exps.weight": array}
+        elif name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        else:
+            gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+            assert gguf_name is not None, name
+            if arch == "llama" and ".q_proj." in name:
+                array = _llama_cpp_permute(array, cfg.num_attention_heads)
+            elif arch == "llama" and ".k_proj." in name:
+                array = _llama_cpp_permute(array, cfg.num_key_value_heads)
+            tensors = {gguf_name: array}
+        for gguf_name, value in tensors.items():
+            writer.add_tensor(gguf_name, np.ascontiguousarray(value, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    ("family", "arch", "extra"),
+    [
+        ("mixtral", "llama", {}),
+        # llama.cpp's qwen3moe has experts in every layer, and renormalises.
+        ("qwen3_moe", "qwen3moe", {**QWEN3_MOE, "norm_topk_prob": True}),
+    ],
+    ids=["mixtral", "qwen3moe"],
+)
+def test_gguf_file_matches_transformers(
+    tmp_path: Path, family: Family, arch: str, extra: dict[str, Any]
+) -> None:
+    hf = save_tiny_model(tmp_path / "hf", family, tie_word_embeddings=False, seed=2, **extra)[1]
+    path = tmp_path / f"tiny-{arch}.gguf"
+    _write_gguf(hf, path, arch)
+    ours, config = load_model(resolve_model(str(path)), torch.device("cpu"))
+    assert isinstance(ours, MixtralForCausalLM if family == "mixtral" else Qwen3MoeForCausalLM)
+    assert config.dense_layers == ()
+    assert (config.num_experts, config.num_experts_per_tok) == (hf.config.num_local_experts, 2)
+    tokens = _prompt(40, 21, config.vocab_size)
+    got = PagedRunner(ours, config).step({0: tokens})[0]
+    torch.testing.assert_close(got, _hf_logits(hf, tokens), atol=1e-4, rtol=0)

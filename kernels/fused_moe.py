@@ -35,9 +35,12 @@ def moe_align_block_size(
     """Sorted pair ids, each expert's run padded to `block_m` with `pairs` (an invalid id),
     and each row block's expert (-1 past the last group). Pair `p` is token `p // k`'s
     `p % k`-th choice."""
-    flat = topk_ids.flatten()
+    flat = topk_ids.flatten().to(torch.int64)
     pairs = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: CUDA's bincount reads the max back, a host sync that a
+    # CUDA-graph capture of the decode step cannot contain.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     starts = counts.cumsum(0) - counts

@@ -24,7 +24,7 @@ from gpu_worker.models.llama import MLP
 from gpu_worker.models.moe import SparseMoeBlock, stack_expert_weights
 from gpu_worker.ops.layer_ops import TritonLayerOps
 from shared.model_source import resolve_model
-from tests.helpers.tiny_models import Family, PagedRunner, save_tiny_model
+from tests.helpers.tiny_models import Family, PagedRunner, save_tiny_model, save_tiny_tokenizer
 from tests.unit.test_llama_model import (
     Pair,
     _hf_logits,
@@ -116,6 +116,22 @@ def test_bf16_model_matches_transformers_in_bf16(pair: Pair, tmp_path: Path) -> 
     reference = _hf_logits(hf_bf16.to(torch.bfloat16), tokens)
     # bf16 keeps ~3 significant digits (a different expert would be off by ~15% of scale).
     torch.testing.assert_close(logits, reference, atol=0.03 * float(reference.abs().max()), rtol=0)
+
+
+def test_engine_gives_transformers_tokens(tmp_path: Path) -> None:
+    """Through the engine (scheduler, paged cache, sampler): a tiny Qwen3-MoE with a dense
+    layer, two prompts batched, greedy tokens equal to transformers'."""
+    from gpu_worker import Engine
+    from shared.sampling import SamplingParams
+
+    extra = {**QWEN3_MOE, "mlp_only_layers": [0]}
+    _, hf = save_tiny_model(tmp_path, "qwen3_moe", tie_word_embeddings=False, seed=3, **extra)
+    save_tiny_tokenizer(tmp_path, hf.config.vocab_size)
+    engine = Engine(model=str(tmp_path), device="cpu", max_model_len=64, kv_cache_memory_gb=0.01)
+    prompts = [_prompt(70, 11, hf.config.vocab_size), _prompt(71, 4, hf.config.vocab_size)]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    done = engine.generate(prompts, params)
+    assert [d.token_ids for d in done] == [_hf_greedy(hf, p, 5) for p in prompts]
 
 
 def test_triton_path_matches_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

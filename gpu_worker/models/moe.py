@@ -18,7 +18,6 @@ import re
 from collections.abc import Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.models.config import ModelConfig
@@ -62,7 +61,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Logits in the model dtype, softmax in fp32: transformers' rounding.
-        weights, ids = route(F.linear(x, self.gate.weight), self.top_k, self.renormalize)
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         return self.ops.fused_moe(
             x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids
         )

@@ -13,6 +13,12 @@ sorted order belongs to one expert. Then:
 Blocks past the real groups have no expert (-1) and return at once; padding rows point past
 the last pair and are masked. Weights are `gpu_worker.models.moe`'s stacked layout: w13
 `[experts, 2 * inner, hidden]` (gate rows, then up rows), w2 `[experts, hidden, inner]`.
+
+Not measured yet, and one fixed tile config (no autotune). A bench would time one layer on
+a GPU against `moe_experts` (the torch path) at decode (1..256 tokens) and prefill (2k-8k)
+sizes for Mixtral-8x7B (8 experts, top-2, hidden 4096, inner 14336) and Qwen3-30B-A3B (128
+experts, top-8, hidden 2048, inner 768), then tune BLOCK_M (16/32/64) and BLOCK_N/BLOCK_K:
+few rows per expert at decode want a small BLOCK_M, prefill a large one.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ rotate_half rotary convention.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -414,10 +415,13 @@ def load_model(
     *,
     layer_ops: LayerOps | None = None,
     gguf_kernels: bool = True,
+    max_model_len: int | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
     """Build the model on `device` in `dtype` (default bf16 on CUDA, fp32 elsewhere) and fill
     it with the source's weights. Attention and layer ops default to plain torch. `gguf_kernels`
-    lets an fp32 CPU model read a GGUF file's quantized blocks in decode-sized matmuls."""
+    lets an fp32 CPU model read a GGUF file's quantized blocks in decode-sized matmuls.
+    `max_model_len`, the context the engine serves, replaces the model's own: the rotary
+    tables cover it, and LongRoPE takes its short factors when it fits the original context."""
     device = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -428,6 +432,8 @@ def load_model(
     else:
         config = config_from_hf(json.loads((source.path / "config.json").read_text()))
         weights = iter_hf_weights(source.path)
+    if max_model_len is not None:
+        config = dataclasses.replace(config, max_position_embeddings=max_model_len)
     model_cls = get_model_class(config.architecture)
     # Build on the meta device: no random init of weights that are overwritten at once.
     with torch.device("meta"):

@@ -88,6 +88,7 @@ class Engine:
             attn_backend,
             layer_ops=get_layer_ops(backend_name),
             gguf_kernels=config.cpu_gguf_kernels,
+            max_model_len=config.max_model_len,
         )
         logger.info("loaded %s in %.1fs", source.name, time.perf_counter() - started)
         mc = self.model_config

@@ -22,7 +22,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import activation, cache_ops, paged_attention, prefill_attention, rms_norm, rotary
+from kernels import (
+    activation, cache_ops, fused_moe, paged_attention, prefill_attention, rms_norm, rotary,
+)
 
 POINTER_TYPES = {
     "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
@@ -32,7 +34,7 @@ POINTER_TYPES = {
 FLOAT_ARGS = {"scale_log2", "eps"}
 
 
-def build(kernel, dtype, num_warps=4, num_stages=3, **consts):
+def build(kernel, dtype, num_warps=4, num_stages=3, pointers=None, **consts):
     fn = kernel.fn if isinstance(kernel, triton.runtime.Autotuner) else kernel
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -40,7 +42,8 @@ def build(kernel, dtype, num_warps=4, num_stages=3, **consts):
             signature[name] = "constexpr"
             continue
         if name.endswith("_ptr"):
-            signature[name] = POINTER_TYPES.get(name, "*" + dtype)
+            types = {**POINTER_TYPES, **(pointers or {})}
+            signature[name] = types.get(name, "*" + dtype)
         else:
             signature[name] = "fp32" if name in FLOAT_ARGS else "i32"
         if name.endswith("_ptr") or name.startswith("stride_"):
@@ -69,6 +72,13 @@ for has_residual in (False, True):
     build(rms_norm._rms_norm_kernel, "bf16", 8, HAS_RESIDUAL=has_residual, BLOCK=4096)
 build(rotary._rotary_kernel, "bf16", HALF=64, HALF_PAD=64, Q_HEADS_PAD=32, K_HEADS_PAD=8)
 build(activation._silu_and_mul_kernel, "bf16", BLOCK=1024)
+moe_ids = {"sorted_ids_ptr": "*i64", "block_expert_ptr": "*i64"}
+for dtype, precision in (("bf16", None), ("fp32", "ieee")):
+    build(fused_moe._gate_up_kernel, dtype, pointers=moe_ids, BLOCK_M=16, BLOCK_N=64,
+          BLOCK_K=64, PRECISION=precision)
+    build(fused_moe._down_kernel, dtype,
+          pointers={**moe_ids, "out_ptr": "*fp32", "weights_ptr": "*fp32"},
+          BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, PRECISION=precision)
 """
 
 
@@ -86,4 +96,4 @@ def test_kernels_compile_for_sm90():
         timeout=240,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    assert result.stdout.count("compiled") == 15, result.stdout
+    assert result.stdout.count("compiled") == 19, result.stdout

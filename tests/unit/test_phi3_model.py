@@ -25,7 +25,6 @@ import torch
 import transformers
 
 from gpu_worker.attention.backend import get_attention_backend
-from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from gpu_worker.loader import config_from_hf, gguf_to_hf_name, load_model
 from gpu_worker.models import MODEL_REGISTRY, Phi3ForCausalLM
 from gpu_worker.models.llama import rope_inv_freq
@@ -75,7 +74,7 @@ def one_thread() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
-def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Pair:
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> PhiPair:
     tied: bool = request.param
     out_dir = tmp_path_factory.mktemp(f"phi3-{'tied' if tied else 'untied'}")
     _, hf = save_tiny_model(out_dir, "phi3", tie_word_embeddings=tied, **phi3_overrides())
@@ -86,7 +85,12 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     assert isinstance(ours, Phi3ForCausalLM)
     assert config.tie_word_embeddings is tied
     assert (config.head_dim, config.rotary_dim, config.num_kv_heads) == (16, 8, 2)
-    return Pair(ours, config, hf)
+    return PhiPair(ours, config, hf, out_dir)
+
+
+@dataclasses.dataclass
+class PhiPair(Pair):
+    directory: Path
 
 
 def test_greedy_tokens_match_transformers(pair: Pair) -> None:
@@ -96,16 +100,17 @@ def test_greedy_tokens_match_transformers(pair: Pair) -> None:
         assert runner.greedy(seq_id, prompt, 6) == _hf_greedy(pair.hf, prompt, 6)
 
 
-def _capped(pair: Pair) -> Phi3ForCausalLM:
-    """The pair's model served up to the original context: the short factors."""
-    config = dataclasses.replace(pair.config, max_position_embeddings=ORIGINAL)
-    model = Phi3ForCausalLM(config, TorchAttentionBackend())
-    model.load_weights(pair.hf.state_dict().items())
-    model.build_caches(torch.device("cpu"))
-    return model.eval()
+def _capped(pair: PhiPair) -> Phi3ForCausalLM:
+    """The pair's model served up to the original context (--max-model-len): the short
+    factors."""
+    source = resolve_model(str(pair.directory))
+    model, config = load_model(source, torch.device("cpu"), max_model_len=ORIGINAL)
+    assert isinstance(model, Phi3ForCausalLM)
+    assert config.max_position_embeddings == ORIGINAL
+    return model
 
 
-def test_short_regime_matches_transformers_up_to_the_original_context(pair: Pair) -> None:
+def test_short_regime_matches_transformers_up_to_the_original_context(pair: PhiPair) -> None:
     """Sequences of at most 16 tokens, where transformers takes the short factors: a mixed
     batch's logits, then greedy tokens up to the 16th position."""
     model = _capped(pair)
@@ -119,7 +124,7 @@ def test_short_regime_matches_transformers_up_to_the_original_context(pair: Pair
     assert PagedRunner(model, config).greedy(0, prompt, 6) == _hf_greedy(pair.hf, prompt, 6)
 
 
-def test_regimes_differ(pair: Pair) -> None:
+def test_regimes_differ(pair: PhiPair) -> None:
     """Guard against the regime tests passing vacuously: the two factor sets give other
     frequencies, and the long model's logits on a short prompt are not transformers'."""
     capped = _capped(pair)

@@ -53,6 +53,18 @@ _DECODE_CONFIGS = [
 
 
 @triton.jit
+def softcap_log2(qk, SOFTCAP: tl.constexpr):
+    """Soft-capping of scores already scaled into the log2 domain (`s * LOG2E`):
+    `cap * tanh(s / cap) * LOG2E`. tanh from one exp of a non-positive argument, so it
+    neither overflows nor loses its sign."""
+    log2e: tl.constexpr = 1.4426950408889634  # LOG2E: a kernel reads no plain globals
+    x = qk * (1.0 / (SOFTCAP * log2e))
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t) * (SOFTCAP * log2e)
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -82,6 +94,7 @@ def _paged_decode_kernel(
     HAS_WINDOW: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -115,6 +128,8 @@ def _paged_decode_kernel(
         slot = block * stride_cb + (offs_n % PAGE_SIZE) * stride_ct
         k = tl.load(k_base + slot[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if SOFTCAP > 0:
+            qk = softcap_log2(qk, SOFTCAP)
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         # Every tile holds at least one key (n0 < end), so m_new is finite from the first one.
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -194,6 +209,12 @@ def check_window(window: int | None) -> None:
         raise ValueError(f"window must be >= 1 or None, got {window}")
 
 
+def check_softcap(softcap: float | None) -> None:
+    """A cap is a positive scale (0 would be the kernels' "off")."""
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+
+
 def choose_num_splits(
     num_seqs: int, num_kv_heads: int, max_context: int, num_programs_target: int
 ) -> int:
@@ -212,11 +233,13 @@ def paged_decode_attention(
     *,
     num_splits: int | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention: q `[num_seqs, num_heads, head_dim]` (one token per sequence) attends to
     the first `seq_lens[i]` cached tokens of sequence i (the new token's K/V already written),
     or with a sliding `window` to the last `window` of them only (transformers' convention:
-    the query at p sees keys p - window < k <= p; None attends to all).
+    the query at p sees keys p - window < k <= p; None attends to all). With `softcap` the
+    scaled scores s become `softcap * tanh(s / softcap)` (Gemma 2); each cap compiles once.
 
     `block_tables` is `[num_seqs, max_blocks]` (padding never read); `num_splits` overrides the
     split-K heuristic. Returns a new contiguous tensor shaped like q.
@@ -229,6 +252,7 @@ def paged_decode_attention(
         raise ValueError("block_tables must have one row per sequence of q")
     check_lengths("seq_lens", seq_lens, num_seqs)
     check_window(window)
+    check_softcap(softcap)
     out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out
@@ -282,6 +306,7 @@ def paged_decode_attention(
         SINGLE_SPLIT=num_splits == 1,
         HAS_WINDOW=window is not None,
         DOT_PRECISION=dot_precision(q.dtype),
+        SOFTCAP=float(softcap or 0.0),
     )
     grid = (num_seqs, num_kv_heads, num_splits)
     if on_gpu:
@@ -312,6 +337,7 @@ def paged_decode_attention_ref(
     seq_lens: torch.Tensor,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Plain torch, one sequence at a time, in fp32: what `paged_decode_attention` computes."""
     page_size, num_kv_heads, head_dim = kv_cache.shape[2:]
@@ -324,6 +350,8 @@ def paged_decode_attention_ref(
         keys = keys.repeat_interleave(group, dim=1)  # query head h reads KV head h // group
         values = values.repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[i].float(), keys) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         if window is not None:
             scores[:, : max(seq_len - window, 0)] = float("-inf")
         out[i] = torch.einsum("hl,lhd->hd", scores.softmax(-1), values).to(q.dtype)

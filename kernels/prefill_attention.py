@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels import check_attention_inputs, check_launchable, check_lengths, dot_precision
-from kernels.paged_attention import LOG2E, check_window
+from kernels.paged_attention import LOG2E, check_softcap, check_window, softcap_log2
 
 MAX_BLOCK_M = 128
 INTERPRETER_BLOCK_N = 32
@@ -94,9 +94,10 @@ def _attend_keys(
     MASKED: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Online softmax over keys [lo, hi); MASKED applies the causal, length and (with
-    HAS_WINDOW) window masks."""
+    HAS_WINDOW) window masks; SOFTCAP > 0 caps the scores first."""
     offs_d = tl.arange(0, HEAD_DIM)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -110,6 +111,8 @@ def _attend_keys(
             slot = block * stride_cb + (offs_n % PAGE_SIZE) * stride_ct
             k = tl.load(k_base + slot[:, None] + offs_d[None, :])
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if SOFTCAP > 0:
+            qk = softcap_log2(qk, SOFTCAP)
         if MASKED:
             visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
             if HAS_WINDOW:
@@ -165,6 +168,7 @@ def _paged_prefill_kernel(
     BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     # Last tiles first: within a sequence they see the most keys, so they should start early.
     tile = num_tiles - 1 - tl.program_id(0)
@@ -210,17 +214,17 @@ def _paged_prefill_kernel(
         acc, m_i, l_i = _attend_keys(
             acc, m_i, l_i, q, q_pos, k_base, v_base, table, window_lo, full_start, seq_len,
             window, scale_log2, stride_cb, stride_ct, PAGE_SIZE, HEAD_DIM, BLOCK_N, True, True,
-            DOT_PRECISION,
+            DOT_PRECISION, SOFTCAP,
         )  # fmt: skip
     acc, m_i, l_i = _attend_keys(
         acc, m_i, l_i, q, q_pos, k_base, v_base, table, full_start, full_end, seq_len, window,
         scale_log2, stride_cb, stride_ct, PAGE_SIZE, HEAD_DIM, BLOCK_N, False, HAS_WINDOW,
-        DOT_PRECISION,
+        DOT_PRECISION, SOFTCAP,
     )  # fmt: skip
     acc, m_i, l_i = _attend_keys(
         acc, m_i, l_i, q, q_pos, k_base, v_base, table, full_end, last_end, seq_len, window,
         scale_log2, stride_cb, stride_ct, PAGE_SIZE, HEAD_DIM, BLOCK_N, True, HAS_WINDOW,
-        DOT_PRECISION,
+        DOT_PRECISION, SOFTCAP,
     )  # fmt: skip
 
     if HAS_WINDOW:
@@ -259,10 +263,12 @@ def paged_prefill_attention(
     scale: float,
     *,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention for packed queries q `[num_tokens, num_heads, head_dim]` over each
     sequence's cached prefix and its own new tokens, all read from `kv_cache`; with a sliding
     `window`, the query at position p sees keys p - window < k <= p only (None: all keys).
+    With `softcap` the scaled scores s become `softcap * tanh(s / softcap)` before the masks.
 
     `query_start_loc` `[num_seqs + 1]`, `seq_lens` and `context_lens` `[num_seqs]` follow
     `gpu_worker.attention.torch_backend.AttentionMetadata`
@@ -280,6 +286,7 @@ def paged_prefill_attention(
     if block_tables.shape[0] != num_seqs:
         raise ValueError("block_tables must have one row per sequence")
     check_window(window)
+    check_softcap(softcap)
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -320,6 +327,7 @@ def paged_prefill_attention(
         BLOCK_Q=block_q,
         HAS_WINDOW=window is not None,
         DOT_PRECISION=dot_precision(q.dtype),
+        SOFTCAP=float(softcap or 0.0),
     )
     grid = (num_tiles, num_kv_heads)
     if on_gpu:
@@ -338,6 +346,7 @@ def paged_prefill_attention_ref(
     context_lens: torch.Tensor,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Plain torch, one sequence at a time, in fp32: what `paged_prefill_attention` computes."""
     page_size, num_kv_heads, head_dim = kv_cache.shape[2:]
@@ -352,6 +361,8 @@ def paged_prefill_attention_ref(
         keys = keys.repeat_interleave(group, dim=1)  # query head h reads KV head h // group
         values = values.repeat_interleave(group, dim=1)
         scores = torch.einsum("thd,lhd->htl", q[start:end].float(), keys) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(ctx, ctx + end - start, device=q.device)
         key_pos = torch.arange(seq_len, device=q.device)[None, :]
         visible = key_pos <= q_pos[:, None]

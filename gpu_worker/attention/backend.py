@@ -38,12 +38,16 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        *,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Write k/v into the cache, then attend: q `[num_tokens, num_heads, head_dim]` ->
         out of the same shape, each query seeing its sequence's keys up to its own position,
         and with a sliding `window` (the layer's) only the last `window` of them: the query
         at position p sees keys p - window < k <= p, as in transformers. The cache keeps
-        every key either way; the window is a mask."""
+        every key either way; the window is a mask. With `softcap` (Gemma 2's attention
+        logit soft-capping) the scaled scores become `softcap * tanh(scores / softcap)`
+        before the mask and the softmax."""
         ...
 
 

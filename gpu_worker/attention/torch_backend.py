@@ -27,9 +27,11 @@ class TorchAttentionBackend:
         """This step's plan; None when the CPU kernel takes a whole pure-decode batch, which
         needs no index or mask tensors (they would cost more than they save there)."""
         self._planned: AttentionMetadata | None = None
-        self._window_plans: dict[int, TorchAttentionPlan] = {}
+        self._window_plans: dict[int | None, TorchAttentionPlan] = {}
         """This step's plans of sliding-window layers, by window, built by the first
-        layer with that window: the masks differ, and the CPU kernel has no window."""
+        layer with that window: the masks differ, and the CPU kernel has no window. Under
+        None, the plan of soft-capped global layers when the CPU kernel (which has no
+        soft-capping either) takes the decodes of `step_plan`."""
 
     def plan(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> None:
         kernel = _decode_kernel_applies(kv_cache, meta)
@@ -62,12 +64,17 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        *,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         self.write_kv(k, v, kv_cache, meta.slot_mapping)
         if meta is not self._planned:
             raise RuntimeError("TorchAttentionBackend.plan(meta) was not called for this step")
         # A window no shorter than the longest sequence hides nothing: the global plan.
-        if window is not None and window < meta.max_seq_len:
+        if window is None or window >= meta.max_seq_len:
+            window = None
+        kernel = self.step_plan is None or self.step_plan.kernel_decodes is not None
+        if window is not None or (softcap is not None and kernel):
             plan = self._window_plans.get(window)
             if plan is None:
                 plan = TorchAttentionPlan.build(meta, kv_cache, kv_cache.dtype, window=window)
@@ -81,7 +88,7 @@ class TorchAttentionBackend:
         if not plan.prefills and len(plan.decode) == 1:
             group = plan.decode[0]
             if isinstance(group.rows, slice) and group.rows == slice(0, q.shape[0]):
-                return self._decode(q, kv_cache, group, scale)  # one group, every row
+                return self._decode(q, kv_cache, group, scale, softcap)  # one group, every row
         out = torch.empty_like(q)
         if plan.kernel_decodes is not None:
             dec = plan.kernel_decodes
@@ -89,13 +96,18 @@ class TorchAttentionBackend:
                 _rows_contiguous(q[dec.rows]), kv_cache, dec.block_tables, dec.seq_lens, scale
             )
         for group in plan.decode:
-            out[group.rows] = self._decode(q[group.rows], kv_cache, group, scale)
+            out[group.rows] = self._decode(q[group.rows], kv_cache, group, scale, softcap)
         for seq in plan.prefills:
-            out[seq.start : seq.end] = self._prefill(q, k, v, kv_cache, seq, scale)
+            out[seq.start : seq.end] = self._prefill(q, k, v, kv_cache, seq, scale, softcap)
         return out
 
     def _decode(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup, scale: float
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        group: DecodeGroup,
+        scale: float,
+        softcap: float | None,
     ) -> torch.Tensor:
         # Gather the group's blocks (keys and values in one op), padded to its longest
         # sequence with the tail masked, so the group is one SDPA call.
@@ -105,12 +117,13 @@ class TorchAttentionBackend:
         keys, values = kv.view(2, batch, -1, num_kv_heads, head_dim).transpose(2, 3).unbind(0)
         # q head h reads kv head h // group, so [batch, heads, dim] viewed as [batch,
         # kv_heads, group, dim] lines each kv head up with its queries: no GQA expansion.
-        out = F.scaled_dot_product_attention(
+        out = _attention(
             q.reshape(batch, num_kv_heads, -1, head_dim),
             keys,
             values,
-            attn_mask=group.mask,
-            scale=scale,
+            group.mask,
+            scale,
+            softcap,
         )
         return out.reshape(batch, -1, head_dim)
 
@@ -122,18 +135,19 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,
         seq: PrefillSeq,
         scale: float,
+        softcap: float | None,
     ) -> torch.Tensor:
         queries = q[seq.start : seq.end].transpose(0, 1)  # [heads, q_len, dim]
         if seq.block_ids is None:
             # No cached context: the keys are this step's own; causal, or the window's mask.
-            out = F.scaled_dot_product_attention(
+            out = _attention(
                 queries,
                 k[seq.start : seq.end].transpose(0, 1),
                 v[seq.start : seq.end].transpose(0, 1),
-                attn_mask=seq.mask,
-                is_causal=seq.mask is None,
-                scale=scale,
-                enable_gqa=True,
+                seq.mask,
+                scale,
+                softcap,
+                gqa=True,
             )
             return out.transpose(0, 1)
         assert seq.mask is not None
@@ -143,10 +157,38 @@ class TorchAttentionBackend:
             :, :seq_len
         ]
         keys, values = kv.transpose(1, 2).unbind(0)  # [kv_heads, seq_len, dim] each
-        out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=seq.mask, scale=scale, enable_gqa=True
-        )
+        out = _attention(queries, keys, values, seq.mask, scale, softcap, gqa=True)
         return out.transpose(0, 1)
+
+
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+    gqa: bool = False,
+) -> torch.Tensor:
+    """SDPA over [..., heads, len, dim], causal without an additive `mask`; with `softcap`
+    the scores are capped first, which SDPA cannot do: then transformers' eager attention,
+    op for op (scores and cap in the query dtype, softmax in fp32)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+        )
+    if gqa and k.shape[-3] != q.shape[-3]:
+        group = q.shape[-3] // k.shape[-3]
+        k = k.repeat_interleave(group, dim=-3)
+        v = v.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        hidden = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    else:
+        scores = scores + mask
+    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def _decode_kernel_applies(kv_cache: torch.Tensor, meta: AttentionMetadata) -> bool:

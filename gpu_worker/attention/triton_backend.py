@@ -44,12 +44,16 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        *,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         self._write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         if q.shape[0] == 0:
             return torch.empty_like(q)
         if meta.is_pure_decode:
-            return self._decode(q, kv_cache, meta.block_tables, meta.seq_lens, scale, window=window)
+            return self._decode(
+                q, kv_cache, meta.block_tables, meta.seq_lens, scale, window=window, softcap=softcap
+            )
         return self._prefill(
             q,
             kv_cache,
@@ -60,4 +64,5 @@ class TritonAttentionBackend:
             meta.max_query_len,
             scale,
             window=window,
+            softcap=softcap,
         )

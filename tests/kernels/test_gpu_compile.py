@@ -55,18 +55,23 @@ def build(kernel, dtype, num_warps=4, num_stages=3, pointers=None, **consts):
 
 
 decode = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, DOT_PRECISION=None)
-for splits, window in ((1, False), (4, False), (1, True), (4, True)):
+# SOFTCAP 0 is off; Gemma 2's attention cap is 50.
+for splits, window, softcap in ((1, False, 0.0), (4, False, 0.0), (1, True, 0.0),
+                                (4, True, 0.0), (1, False, 50.0), (4, True, 50.0)):
     build(paged_attention._paged_decode_kernel, "bf16", SINGLE_SPLIT=splits == 1,
-          HAS_WINDOW=window, **decode)
+          HAS_WINDOW=window, SOFTCAP=softcap, **decode)
 build(paged_attention._combine_splits_kernel, "bf16", SPLITS_PAD=8, HEAD_DIM=128)
 prefill = dict(GROUP=4, GROUP_PAD=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, DOT_PRECISION=None)
 for window in (False, True):
     build(prefill_attention._paged_prefill_kernel, "bf16", 8, BLOCK_M=128, BLOCK_Q=32,
-          HAS_WINDOW=window, **prefill)
+          HAS_WINDOW=window, SOFTCAP=0.0, **prefill)
     build(prefill_attention._paged_prefill_kernel, "fp16", 4, BLOCK_M=16, BLOCK_Q=4,
-          HAS_WINDOW=window, **prefill)
+          HAS_WINDOW=window, SOFTCAP=0.0, **prefill)
+    build(prefill_attention._paged_prefill_kernel, "bf16", 8, BLOCK_M=128, BLOCK_Q=32,
+          HAS_WINDOW=window, SOFTCAP=50.0, **prefill)
 build(prefill_attention._paged_prefill_kernel, "fp32", 4, GROUP=1, GROUP_PAD=1, HEAD_DIM=64,
-      PAGE_SIZE=16, BLOCK_M=16, BLOCK_Q=16, BLOCK_N=32, HAS_WINDOW=False, DOT_PRECISION="ieee")
+      PAGE_SIZE=16, BLOCK_M=16, BLOCK_Q=16, BLOCK_N=32, HAS_WINDOW=False, DOT_PRECISION="ieee",
+      SOFTCAP=0.0)
 build(cache_ops._write_kv_cache_kernel, "bf16", PAGE_SIZE=16, HEADS_PAD=8, DIM_PAD=128)
 for has_residual in (False, True):
     build(rms_norm._rms_norm_kernel, "bf16", 8, HAS_RESIDUAL=has_residual, BLOCK=4096)
@@ -96,4 +101,4 @@ def test_kernels_compile_for_sm90():
         timeout=240,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    assert result.stdout.count("compiled") == 19, result.stdout
+    assert result.stdout.count("compiled") == 23, result.stdout

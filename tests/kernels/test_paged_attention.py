@@ -174,3 +174,33 @@ def test_decode_window_ignores_keys_outside(make_paged_batch, device):
     kv_cache[:, first_blocks] = float("nan")
     out = paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, 0.1, window=18)
     _assert_close(out, expected, torch.float32)
+
+
+# window, num_splits; softcap 1.5 at scale 0.5 saturates the tanh for most scores.
+SOFTCAP_DECODE_CASES = [
+    pytest.param(None, 1, id="softcap"),
+    pytest.param(None, 3, id="softcap-split-k"),
+    pytest.param(20, 2, id="softcap-window"),
+]
+
+
+@pytest.mark.parametrize(("window", "num_splits"), SOFTCAP_DECODE_CASES)
+def test_decode_softcap(make_paged_batch, device, window, num_splits):
+    """Gemma 2's capped scores, alone and with a window, against the reference, and the
+    torch backend's capped path on the same cache."""
+    dtype = torch.float32
+    seq_lens = [40, 5, 33]
+    q, kv_cache, meta = _decode_inputs(make_paged_batch, seq_lens, 2, 64, dtype, device)
+    args = (q, kv_cache, meta.block_tables, meta.seq_lens, 0.5)
+    out = paged_decode_attention(*args, num_splits=num_splits, window=window, softcap=1.5)
+    expected = paged_decode_attention_ref(*args, window=window, softcap=1.5)
+    _assert_close(out, expected, dtype)
+    # The cap really bites (else the case would pass without it).
+    assert not torch.allclose(expected, paged_decode_attention_ref(*args, window=window))
+    # Rewriting each sequence's last key with itself leaves the cache as it was.
+    flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
+    k, v = flat[0, meta.slot_mapping].clone(), flat[1, meta.slot_mapping].clone()
+    backend = TorchAttentionBackend()
+    backend.plan(meta, kv_cache)
+    torch_out = backend.forward(q, k, v, kv_cache, meta, 0.5, window, softcap=1.5)
+    _assert_close(torch_out, expected, dtype)

@@ -192,3 +192,34 @@ def test_prefill_window_ignores_keys_outside(make_paged_batch, device):
     expected = paged_prefill_attention_ref(*args, 0.125, 8)
     kv_cache[:, meta.block_tables[0, :16].long()] = float("nan")
     _assert_close(paged_prefill_attention(*args, 4, 0.125, window=8), expected, dtype)
+
+
+# query_lens, context_lens, window; softcap 1.5 at scale 0.5 saturates most scores.
+SOFTCAP_PREFILL_CASES = [
+    pytest.param([20, 1, 9], [0, 30, 16], None, id="softcap"),
+    pytest.param([20, 1, 9], [0, 30, 16], 13, id="softcap-window"),
+]
+
+
+@pytest.mark.parametrize(("query_lens", "context_lens", "window"), SOFTCAP_PREFILL_CASES)
+def test_prefill_softcap(make_paged_batch, device, query_lens, context_lens, window):
+    """Capped scores with and without a window, against the reference and against the
+    torch backend's capped path (rewriting the step's own keys leaves the cache as it was)."""
+    dtype = torch.float32
+    q, kv_cache, meta = _prefill_inputs(
+        make_paged_batch, query_lens, context_lens, 2, 64, dtype, device
+    )
+    args = (q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens)
+    out = paged_prefill_attention(
+        *args, meta.context_lens, meta.max_query_len, 0.5, window=window, softcap=1.5
+    )
+    expected = paged_prefill_attention_ref(*args, meta.context_lens, 0.5, window, softcap=1.5)
+    _assert_close(out, expected, dtype)
+    uncapped = paged_prefill_attention_ref(*args, meta.context_lens, 0.5, window)
+    assert not torch.allclose(expected, uncapped)
+    flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
+    k, v = flat[0, meta.slot_mapping].clone(), flat[1, meta.slot_mapping].clone()
+    backend = TorchAttentionBackend()
+    backend.plan(meta, kv_cache)
+    torch_out = backend.forward(q, k, v, kv_cache, meta, 0.5, window, softcap=1.5)
+    _assert_close(torch_out, expected, dtype)

@@ -79,6 +79,17 @@ class ModelConfig:
     rest pass through. None: all of head_dim."""
     longrope: LongRope | None = None
     """LongRoPE scaling (Phi-3 `rope_type: longrope`); None for other kinds."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores are scaled by this ** -0.5 (Gemma's); None: head_dim ** -0.5."""
+    attn_logit_softcapping: float | None = None
+    """Attention scores become `cap * tanh(scores / cap)` before masking (Gemma 2)."""
+    final_logit_softcapping: float | None = None
+    """Logits become `cap * tanh(logits / cap)` (Gemma 2)."""
+    rope_local_theta: float | None = None
+    """Rotary base of the sliding-window layers (Gemma 3's `rope_local_base_freq`); None:
+    `rope_theta`, as the global layers."""
+    rope_linear_factor: float | None = None
+    """Linear rope scaling (positions divided by it): Gemma 3's global layers."""
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of decoder layer `layer`, or None if it attends globally."""

@@ -88,6 +88,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     if config.rope_freq_factors is not None:
         # llama.cpp stores llama3 scaling as per-pair divisors instead of parameters.
         inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+    if config.rope_linear_factor is not None:
+        inv_freq = inv_freq / config.rope_linear_factor
     return inv_freq
 
 
@@ -133,7 +135,8 @@ class Attention(nn.Module):
         self.rotary_dim = config.rotary_dim or config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
+        self.softcap = config.attn_logit_softcapping
         self.backend = backend
         self.window: int | None = None
         """This layer's sliding window (None: global); `LlamaModel` sets it per layer."""
@@ -156,7 +159,9 @@ class Attention(nn.Module):
         )
         q, k = self.rotate(self.norm_qk(qk), rotary)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.window)
+        out = self.backend.forward(
+            q, k, v, kv_cache, meta, self.scale, self.window, softcap=self.softcap
+        )
         return self.o_proj(out.reshape(-1, self.q_size))
 
     def rotate(self, qk: torch.Tensor, rotary: RotaryTables) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,6 +202,9 @@ class DecoderLayer(nn.Module):
     """Pre-norm transformer block over a residual stream carried between layers: each
     residual add is fused into the norm after it."""
 
+    norm_class: type[RMSNorm] = RMSNorm
+    """The norm of the layer's blocks and of the model's output (Gemma's scales by 1 + w)."""
+
     def __init__(
         self,
         config: ModelConfig,
@@ -206,9 +214,11 @@ class DecoderLayer(nn.Module):
         mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.input_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps, ops)
         self.self_attn = attention(config, backend, ops)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = self.norm_class(
+            config.hidden_size, config.rms_norm_eps, ops
+        )
         self.mlp = mlp if mlp is not None else MLP(config, ops)
 
     def forward(
@@ -240,6 +250,7 @@ class LlamaModel(nn.Module):
         ops: LayerOps,
         attention: type[Attention] = Attention,
         mlp: MLPFactory | None = None,
+        layer: type[DecoderLayer] = DecoderLayer,
     ) -> None:
         super().__init__()
         # An empty `_weight` skips the random init (on meta it would import torch._dynamo):
@@ -247,15 +258,13 @@ class LlamaModel(nn.Module):
         shape = (config.vocab_size, config.hidden_size)
         self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
         layers = [
-            DecoderLayer(
-                config, backend, ops, attention, None if mlp is None else mlp(config, ops, i)
-            )
+            layer(config, backend, ops, attention, None if mlp is None else mlp(config, ops, i))
             for i in range(config.num_layers)
         ]
-        for i, layer in enumerate(layers):
-            layer.self_attn.window = config.window_of(i)
+        for i, block in enumerate(layers):
+            block.self_attn.window = config.window_of(i)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.norm = layer.norm_class(config.hidden_size, config.rms_norm_eps, ops)
 
 
 class LlamaForCausalLM(CausalLM):
@@ -263,13 +272,17 @@ class LlamaForCausalLM(CausalLM):
 
     attention: type[Attention] = Attention
     """The layers' attention: families that differ from Llama only there subclass it."""
+    decoder_layer: type[DecoderLayer] = DecoderLayer
+    """The block around attention and MLP (Gemma's has four norms)."""
 
     def __init__(
         self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps | None = None
     ) -> None:
         super().__init__(config, backend, ops)
         self.ops = ops = ops or TorchLayerOps()
-        self.model = LlamaModel(config, backend, ops, self.attention, self.build_mlp)
+        self.model = LlamaModel(
+            config, backend, ops, self.attention, self.build_mlp, self.decoder_layer
+        )
         self.rotary = RotaryEmbedding(config)
         # Tied models read the embedding matrix directly, so no second parameter can drift.
         self.lm_head: nn.Linear | None = None

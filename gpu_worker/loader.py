@@ -45,7 +45,11 @@ _MODEL_TYPE_TO_ARCH = {
     "phi3": "Phi3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
+
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 def _ids(value: int | list[int] | None) -> tuple[int, ...]:
@@ -58,9 +62,12 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     """ModelConfig from a config.json dict (transformers 4.x `rope_scaling` or 5.x
     `rope_parameters`)."""
     arch = (cfg.get("architectures") or [_MODEL_TYPE_TO_ARCH.get(cfg.get("model_type", ""), "")])[0]
-    if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias", False):
-        raise NotImplementedError(f"{arch}: only bias-free SiLU MLPs are supported")
+    is_gemma = arch in _GEMMA
+    _check_mlp(arch, cfg, is_gemma)
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    local_rope = None
+    if "full_attention" in rope:  # transformers 5's Gemma 3: rope parameters per layer type
+        rope, local_rope = rope["full_attention"], rope.get("sliding_attention")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     is_phi3 = arch == "Phi3ForCausalLM"
     if is_phi3 and rope_type in ("su", "yarn"):  # Phi3Config's old names for longrope
@@ -71,6 +78,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     rotary_dim = int(head_dim * partial)
     longrope = None
     scaling = None
+    linear_factor = None
     if rope_type == "llama3":
         scaling = RopeScaling(
             factor=float(rope["factor"]),
@@ -80,8 +88,12 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         )
     elif rope_type == "longrope":
         longrope = _longrope_from_hf(cfg, rope)
+    elif rope_type == "linear":
+        linear_factor = float(rope["factor"])
     elif rope_type != "default":
         raise NotImplementedError(f"rope type {rope_type!r} is not supported")
+    # Gemma3TextConfig's global base when config.json leaves it out.
+    default_theta = 1_000_000.0 if arch == "Gemma3ForCausalLM" else 10000.0
     is_qwen2 = arch == "Qwen2ForCausalLM"
     llama_bias = bool(cfg.get("attention_bias", False)) and not is_qwen2
     window = cfg.get("sliding_window")
@@ -90,6 +102,10 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         window = None
     if arch == "Qwen3MoeForCausalLM" and not cfg.get("use_sliding_window"):
         window = None  # Qwen3-MoE slides every layer when it slides at all
+    layer_windows = _qwen_layer_windows(cfg, window) if is_qwen else None
+    gemma = _gemma_from_hf(arch, cfg, local_rope) if is_gemma else {}
+    if is_gemma:
+        window, layer_windows = gemma.pop("sliding_window"), gemma.pop("layer_windows")
     return ModelConfig(
         architecture=arch,
         vocab_size=cfg["vocab_size"],
@@ -100,7 +116,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
         head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or default_theta),
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rope_scaling=scaling,
@@ -109,11 +125,49 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         sliding_window=window,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_ids(cfg.get("eos_token_id")),
-        layer_windows=_qwen_layer_windows(cfg, window) if is_qwen else None,
+        layer_windows=layer_windows,
         rotary_dim=rotary_dim if rotary_dim != head_dim else None,
         longrope=longrope,
+        rope_linear_factor=linear_factor,
         **_moe_from_hf(arch, cfg),
+        **gemma,
     )
+
+
+def _check_mlp(arch: str, cfg: dict[str, Any], is_gemma: bool) -> None:
+    """Gemma's MLPs are GeGLU (`hidden_activation`), the others' bias-free SwiGLU."""
+    if is_gemma:
+        if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+            raise NotImplementedError(f"{arch}: only tanh-approximated GeGLU is supported")
+    elif cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias", False):
+        raise NotImplementedError(f"{arch}: only bias-free SiLU MLPs are supported")
+
+
+def _gemma_from_hf(
+    arch: str, cfg: dict[str, Any], local_rope: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Gemma 2/3's fields, with their configs' defaults: which layers slide (`layer_types`,
+    else Gemma 2's odd/even rule or Gemma 3's `sliding_window_pattern`, the last layer of
+    each period global), the local layers' rope base, the attention scale and the caps."""
+    is_gemma2 = arch == "Gemma2ForCausalLM"
+    num_layers = cfg["num_hidden_layers"]
+    window = cfg.get("sliding_window", 4096)
+    period = 2 if is_gemma2 else cfg.get("sliding_window_pattern", 6)
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % period else "full_attention" for i in range(num_layers)
+    ]
+    local_theta = (local_rope or {}).get("rope_theta") or cfg.get("rope_local_base_freq")
+    if local_theta is None and not is_gemma2:
+        local_theta = 10000.0  # Gemma3TextConfig's default local base
+    softcaps = (50.0, 30.0) if is_gemma2 else (None, None)  # the config classes' defaults
+    return {
+        "sliding_window": window,
+        "layer_windows": tuple(window if t == "sliding_attention" else None for t in types),
+        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
+        "attn_logit_softcapping": cfg.get("attn_logit_softcapping", softcaps[0]),
+        "final_logit_softcapping": cfg.get("final_logit_softcapping", softcaps[1]),
+        "rope_local_theta": None if local_theta is None else float(local_theta),
+    }
 
 
 def _moe_from_hf(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -210,7 +264,7 @@ def _required(value: int | None, meta: GGUFMetadata, key: str) -> int:
 def config_from_gguf(meta: GGUFMetadata) -> ModelConfig:
     """ModelConfig from a GGUF file's `{arch}.*` metadata and its tensor table."""
     arch = meta.string("general.architecture")
-    if arch not in ("llama", "qwen2", "qwen3", "phi3", "qwen3moe"):
+    if arch not in ("llama", "qwen2", "qwen3", "phi3", "qwen3moe", "gemma2", "gemma3"):
         raise NotImplementedError(f"GGUF architecture {arch!r} is not supported")
 
     def integer(key: str) -> int:
@@ -237,6 +291,9 @@ def config_from_gguf(meta: GGUFMetadata) -> ModelConfig:
             attention_factor=meta.number(f"{arch}.rope.scaling.attn_factor", 1.0),
         )
     moe = _moe_from_gguf(meta, arch, integer("block_count"))
+    gemma = _gemma_from_gguf(meta, arch, head_dim) if arch in ("gemma2", "gemma3") else {}
+    if gemma:
+        window = gemma.pop("sliding_window")
     return ModelConfig(
         # llama.cpp writes Mixtral as llama with experts; the registry knows it as mixtral.
         architecture="mixtral" if arch == "llama" and moe else arch,
@@ -259,7 +316,44 @@ def config_from_gguf(meta: GGUFMetadata) -> ModelConfig:
         rotary_dim=rotary_dim if rotary_dim != head_dim else None,
         longrope=longrope,
         **moe,
+        **gemma,
     )
+
+
+# llama.cpp's attention scale for the 27B models (by layer count), whose
+# query_pre_attn_scalar is hidden / heads rather than head_dim; GGUF has no key for it.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gemma_from_gguf(meta: GGUFMetadata, arch: str, head_dim: int) -> dict[str, Any]:
+    """Gemma 2/3's fields as llama.cpp reads them: sliding layers from
+    `attention.sliding_window_pattern` (a period, or a flag per layer) else its fixed
+    period (2 for Gemma 2, 6 for Gemma 3; the last layer of each global), Gemma 3's local
+    rope base fixed at 10000 and its linear scaling (global layers), the caps."""
+    num_layers = _required(meta.integer(f"{arch}.block_count"), meta, f"{arch}.block_count")
+    window = meta.integer(f"{arch}.attention.sliding_window")
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        sliding = [bool(p) for p in pattern]
+    else:
+        period = int(pattern or (2 if arch == "gemma2" else 6))
+        sliding = [(i + 1) % period != 0 for i in range(num_layers)]
+    scalar = float(head_dim)
+    if num_layers == _GEMMA_27B_LAYERS[arch]:
+        hidden = meta.integer(f"{arch}.embedding_length", 0)
+        scalar = float(hidden // meta.integer(f"{arch}.attention.head_count", 1))
+    linear = None
+    if meta.string(f"{arch}.rope.scaling.type") == "linear":
+        linear = meta.number(f"{arch}.rope.scaling.factor")
+    return {
+        "sliding_window": window,
+        "layer_windows": tuple(window if s else None for s in sliding),
+        "query_pre_attn_scalar": scalar,
+        "attn_logit_softcapping": meta.number(f"{arch}.attn_logit_softcapping"),
+        "final_logit_softcapping": meta.number(f"{arch}.final_logit_softcapping"),
+        "rope_local_theta": 10000.0 if arch == "gemma3" else None,
+        "rope_linear_factor": linear,
+    }
 
 
 def _moe_from_gguf(meta: GGUFMetadata, arch: str, num_layers: int) -> dict[str, Any]:
@@ -313,17 +407,27 @@ _PERMUTED_QK = ("llama", "mixtral")
 
 
 # Where an architecture's tensor holds something else under the same GGUF name.
+_GGUF_GEMMA_LAYER = {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _GGUF_LAYER_OF_ARCH = {
     "phi3": {"ffn_up": "mlp.gate_up_proj"},  # gate and up, fused as in HF's checkpoint
+    "gemma2": _GGUF_GEMMA_LAYER,
+    "gemma3": _GGUF_GEMMA_LAYER,
 }
+
+# llama.cpp's converter stores Gemma's norm weights with the 1 of (1 + weight) added.
+_NORM_PLUS_ONE = ("gemma2", "gemma3")
 
 
 def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unused."""
     parts = name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER:
-        layer_names = _GGUF_LAYER_OF_ARCH.get(arch, {})
-        hf = layer_names.get(parts[2], _GGUF_LAYER[parts[2]])
+    layer_names = _GGUF_LAYER_OF_ARCH.get(arch, {})
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER.keys() | layer_names:
+        hf = layer_names.get(parts[2]) or _GGUF_LAYER[parts[2]]
         return f"model.layers.{parts[1]}.{hf}.{parts[3]}"
     if len(parts) == 2 and parts[0] in _GGUF_GLOBAL:
         return f"{_GGUF_GLOBAL[parts[0]]}.{parts[1]}"
@@ -348,6 +452,8 @@ def _dequantize(tensor: ReaderTensor, name: str, config: ModelConfig) -> torch.T
             array = unpermute_qk(array, config.num_heads)
         elif ".k_proj." in name:
             array = unpermute_qk(array, config.num_kv_heads)
+    if config.architecture in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+        array = array - 1.0  # a new array
     if not array.flags.writeable:  # F32 tensors come back as views of the read-only mmap
         array = array.copy()
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))

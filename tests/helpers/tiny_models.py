@@ -23,7 +23,9 @@ from gpu_worker.models.base import CausalLM
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.runner.kv_caches import allocate_kv_caches
 
-Family = Literal["llama", "qwen2", "mistral", "qwen3", "mixtral", "qwen3_moe", "phi3"]
+Family = Literal[
+    "llama", "qwen2", "mistral", "qwen3", "mixtral", "qwen3_moe", "phi3", "gemma2", "gemma3"
+]
 
 _SIZES: dict[str, Any] = dict(
     vocab_size=256,
@@ -40,6 +42,10 @@ _FAMILY_SIZES: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
     # Phi3Config's pad (an embedding row) and eos default to id 32000, past a tiny vocab.
     "phi3": dict(pad_token_id=None, eos_token_id=2),
+    # Gemma's default head_dim (256) would dwarf the tiny hidden size; eager attention is
+    # transformers' only one with soft-capping.
+    "gemma2": dict(head_dim=16, attn_implementation="eager"),
+    "gemma3": dict(head_dim=16, attn_implementation="eager"),
 }
 
 
@@ -55,6 +61,8 @@ def tiny_hf_model(
         "mixtral": transformers.MixtralConfig,
         "qwen3_moe": transformers.Qwen3MoeConfig,
         "phi3": transformers.Phi3Config,
+        "gemma2": transformers.Gemma2Config,
+        "gemma3": transformers.Gemma3TextConfig,
     }[family]
     sizes = {**_SIZES, **_FAMILY_SIZES.get(family, {}), **overrides}
     config = config_cls(**sizes, tie_word_embeddings=tie_word_embeddings)
@@ -63,7 +71,9 @@ def tiny_hf_model(
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                param.copy_(1 + 0.2 * torch.randn_like(param))
+                # Gemma's norms scale by 1 + weight: their weights are offsets from one.
+                offset = 0 if family.startswith("gemma") else 1
+                param.copy_(offset + 0.2 * torch.randn_like(param))
             elif name.endswith(".bias"):
                 param.copy_(0.5 * torch.randn_like(param))
             elif "embed_tokens" in name:

@@ -1,0 +1,12 @@
+"""Gemma 2 (HF `Gemma2ForCausalLM`, GGUF `gemma2`): the shared Gemma decoder
+(`gpu_worker.models.gemma`) with Llama's attention as configured: scores scaled by
+`query_pre_attn_scalar ** -0.5` and soft-capped (`attn_logit_softcapping`), local
+(sliding-window) and global layers alternating (`ModelConfig.layer_windows`)."""
+
+from __future__ import annotations
+
+from gpu_worker.models.gemma import GemmaForCausalLM
+
+
+class Gemma2ForCausalLM(GemmaForCausalLM):
+    """Gemma 2 2B/9B/27B."""

@@ -55,6 +55,8 @@ def test_the_built_in_model_gets_chatml_tools_and_hermes(smollm2_tokenizer: Toke
     assert tools_template_for(own) == CHATML_TOOLS
     assert tools_template_for(QWEN) is None  # shows tools itself
     assert tools_template_for(LLAMA) is None  # not ChatML
+    phi4 = (DATA_DIR / "templates" / "phi4.jinja").read_text()
+    assert tools_template_for(phi4) is None  # <|im_start|>role<|im_sep|>: not ChatML's turns
     setup = tool_setup(
         tool_call_parser=None,
         enable_auto_tool_choice=False,

@@ -37,11 +37,18 @@ def shows_tools(template: str) -> bool:
     return "tools" in jinja2.meta.find_undeclared_variables(ast)
 
 
+_PHI4_ROLE_SEPARATOR = "<|im_sep|>"
+
+
 def tools_template_for(model_template: str | None) -> str | None:
     """The built-in template that shows tools to a model whose own template cannot: a
     ChatML model's gets `chatml_tools`, in the turn format it was trained on. None when
     the model's template shows tools itself, or is of a family with no built-in one."""
     if model_template is None or _CHATML_TURN not in model_template:
+        return None
+    if _PHI4_ROLE_SEPARATOR in model_template:
+        # Phi-4 writes `<|im_start|>role<|im_sep|>`: not the ChatML turns chatml_tools
+        # writes, so it would show the model a format it was never trained on.
         return None
     if shows_tools(model_template):
         return None

@@ -1,5 +1,6 @@
-"""bf16 checkpoints of the dense families: saved by transformers in bf16, loaded and run by us
-in bf16 on CPU, greedy tokens equal to transformers' own bf16 model.
+"""bf16 checkpoints of the dense families (Llama, Qwen3, Phi-3, Gemma 2 and 3): saved by
+transformers in bf16, loaded and run by us in bf16 on CPU, greedy tokens equal to
+transformers' own bf16 model.
 
 The reference is transformers in bf16 (as in test_moe_model's bf16 test), not the fp32
 model: bf16 rounding moves logits by ~1% of their scale, enough to flip a near tie between
@@ -12,6 +13,7 @@ dropped bias) changes them.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +26,7 @@ import transformers
 from gpu_worker.loader import load_model
 from shared.model_source import resolve_model
 from tests.helpers.tiny_models import Family, PagedRunner, tiny_hf_model
+from tests.unit.test_gemma_model import CONFIGS as GEMMA
 from tests.unit.test_llama_model import LLAMA3_ROPE, _prompt
 from tests.unit.test_phi3_model import LONG, SHORT
 from tests.unit.test_qwen3_model import _hf_greedy
@@ -61,6 +64,17 @@ CASES: list[tuple[str, Family, bool, dict[str, Any], int, int]] = [
         3,
         21,
     ),
+    # Gemma's features as its parity tests set them, untied (tied tiny Gemmas echo the
+    # input token); Gemma 2's final cap at its real 30 (a cap of 5 makes bf16 logits tie).
+    (
+        "gemma2-softcap-window",
+        "gemma2",
+        False,
+        {**GEMMA["gemma2"], "final_logit_softcapping": 30.0},
+        7,
+        21,
+    ),
+    ("gemma3-qk-norm-local-rope", "gemma3", False, GEMMA["gemma3"], 3, 13),
 ]
 
 
@@ -90,7 +104,7 @@ def test_bf16_checkpoint_gives_transformers_bf16_tokens(
     tmp_path: Path, family: Family, tied: bool, extra: dict[str, Any], seed: int, length: int
 ) -> None:
     # transformers writes into a rope dict it is given, so each model gets its own copy.
-    extra = {k: dict(v) if isinstance(v, dict) else v for k, v in extra.items()}
+    extra = copy.deepcopy(extra)
     hf: Any = tiny_hf_model(family, tie_word_embeddings=tied, **extra)
     hf = hf.to(torch.bfloat16)
     hf.save_pretrained(tmp_path)

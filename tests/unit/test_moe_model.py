@@ -33,10 +33,16 @@ from tests.unit.test_llama_model import (
     test_prefill_logits_match_transformers,
 )
 from tests.unit.test_loader import _llama_cpp_permute
+from tests.unit.test_qwen3_model import (
+    test_engine_prefix_cache_hit_gives_transformers_tokens,
+    test_prefix_cache_hit_reads_shared_blocks,
+)
 
 __all__ = [
     "test_chunked_prefill_and_decode_in_mixed_batches",
+    "test_engine_prefix_cache_hit_gives_transformers_tokens",
     "test_prefill_logits_match_transformers",
+    "test_prefix_cache_hit_reads_shared_blocks",
 ]
 
 QWEN3_MOE: dict[str, Any] = {"head_dim": 32, "num_hidden_layers": 3}

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,8 @@ from tests.unit.test_gemma_model import CONFIGS as GEMMA
 from tests.unit.test_llama_model import LLAMA3_ROPE, _prompt
 from tests.unit.test_phi3_model import LONG, SHORT
 from tests.unit.test_qwen3_model import _hf_greedy
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 NEW_TOKENS = 8
 # The smallest gap between transformers' best and second-best bf16 logit at any greedy
@@ -76,14 +77,6 @@ CASES: list[tuple[str, Family, bool, dict[str, Any], int, int]] = [
     ),
     ("gemma3-qk-norm-local-rope", "gemma3", False, GEMMA["gemma3"], 3, 13),
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 @torch.no_grad()

@@ -6,7 +6,6 @@ prompts, soft-caps, LongRoPE, experts), with the configurations their parity tes
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,8 @@ from tests.unit.test_moe_model import QWEN3_MOE
 from tests.unit.test_phi3_model import phi3_overrides
 from tests.unit.test_qwen3_model import QWEN3
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 BLOCK_SIZE = 4
 NUM_BLOCKS = 12
 """Six sequences of 18-24 tokens need about 36 blocks of 4 at once: most wait or are
@@ -42,14 +43,6 @@ FAMILIES: dict[str, tuple[Family, dict[str, Any]]] = {
     "gemma2": ("gemma2", GEMMA["gemma2"]),
     "gemma3": ("gemma3", GEMMA["gemma3"]),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 def _hf_greedy(hf: transformers.PreTrainedModel, prompt: list[int], n: int) -> list[int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -42,6 +42,8 @@ from tests.unit.test_llama_model import (
     test_prefill_logits_match_transformers,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 __all__ = [
     "test_chunked_prefill_and_decode_in_mixed_batches",
     "test_prefill_logits_match_transformers",
@@ -61,14 +63,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
     ),
 }
 LAYER_WINDOWS = {"gemma2": (WINDOW, None, WINDOW, None), "gemma3": (WINDOW, WINDOW, None, WINDOW)}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 def _save(out_dir: Path, family: Family, seed: int = 0) -> transformers.PreTrainedModel:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,8 @@ from gpu_worker.models.llama import rope_inv_freq
 from gpu_worker.runner.kv_caches import allocate_kv_caches
 from shared.model_source import resolve_model
 from tests.helpers.tiny_models import Family, PagedRunner, save_tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -46,15 +47,6 @@ CASES: list[tuple[str, Family, bool, dict[str, Any], str | None]] = [
     # head_dim 24 != hidden / heads, so q_size differs from hidden_size.
     ("mistral-untied-head-dim", "mistral", False, {"head_dim": 24}, None),
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Two OpenMP threads on a shared 2-core box spin against other jobs and run far slower."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 @dataclasses.dataclass

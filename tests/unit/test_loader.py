@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +23,8 @@ from gpu_worker.models import LlamaForCausalLM
 from shared.model_source import ModelSource, resolve_model
 from tests.helpers.tiny_models import PagedRunner, save_tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # Token ids from SmolLM2's tokenizer; the text is beside each.
 PROMPTS: list[list[int]] = [
     # "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
@@ -33,15 +34,6 @@ PROMPTS: list[list[int]] = [
     # "def fibonacci(n):\n    "
     [1604, 3987, 46477, 24, 94, 727, 2367],
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Two OpenMP threads on a shared 2-core box spin against other jobs and run far slower."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ and Qwen3-MoE without renormalisation and a dense layer by `decoder_sparse_step`
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,8 @@ from tests.unit.test_qwen3_model import (
     test_prefix_cache_hit_reads_shared_blocks,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 __all__ = [
     "test_chunked_prefill_and_decode_in_mixed_batches",
     "test_engine_prefix_cache_hit_gives_transformers_tokens",
@@ -65,14 +66,6 @@ CASES: list[tuple[str, Family, bool, dict[str, Any], tuple[int, ...]]] = [
         (0, 2),
     ),
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[c[0] for c in CASES])

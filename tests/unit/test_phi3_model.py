@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,8 @@ from tests.unit.test_qwen3_model import (
     test_prefix_cache_hit_reads_shared_blocks,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 __all__ = [
     "test_chunked_prefill_and_decode_in_mixed_batches",
     "test_engine_prefix_cache_hit_gives_transformers_tokens",
@@ -63,14 +64,6 @@ def phi3_overrides() -> dict[str, Any]:
         "original_max_position_embeddings": ORIGINAL,
         "rope_scaling": {"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG},
     }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])

@@ -5,7 +5,6 @@ those do not: greedy tokens, prefix-cache hits, the Triton backend and a GGUF fi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,8 @@ from tests.unit.test_llama_model import (
     test_prefill_logits_match_transformers,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 __all__ = [
     "test_chunked_prefill_and_decode_in_mixed_batches",
     "test_prefill_logits_match_transformers",
@@ -36,14 +37,6 @@ __all__ = [
 
 # head_dim 32 != hidden 64 / heads 4: q_size (128) differs from hidden_size.
 QWEN3: dict[str, Any] = {"head_dim": 32}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])

@@ -6,7 +6,6 @@ prefix-cache hits and the engine."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,15 +20,9 @@ from gpu_worker.ops.layer_ops import TritonLayerOps
 from shared.model_source import resolve_model
 from tests.helpers.tiny_models import PagedRunner, _SeqState, save_tiny_model, save_tiny_tokenizer
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 WINDOW = 8
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 @dataclasses.dataclass

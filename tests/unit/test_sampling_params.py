@@ -127,11 +127,13 @@ def test_priority_needs_priority_scheduling() -> None:
 
 
 def _request(isolation: str, key: str | None) -> Any:
-    """What request_cache_salt reads of a request: the isolation setting and the key."""
-    settings = SimpleNamespace(prefix_cache_isolation=isolation)
+    """What request_cache_salt reads of a request: the isolation setting, the configured
+    keys and the presented one."""
+    api_keys = ["key-a", "key-b"] if isolation == "per-key" else []
+    settings = SimpleNamespace(prefix_cache_isolation=isolation, api_keys=api_keys)
     app = SimpleNamespace(state=SimpleNamespace(render=SimpleNamespace(settings=settings)))
-    headers = {"authorization": f"Bearer {key}"} if key else {}
-    return SimpleNamespace(app=app, headers=headers)
+    headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
+    return SimpleNamespace(app=app, scope={"headers": headers})
 
 
 def test_cache_salts_never_cross_tenants() -> None:

@@ -23,11 +23,9 @@ import pytest
 import torch
 import transformers
 
-from gpu_worker.attention.backend import get_attention_backend
 from gpu_worker.loader import config_from_hf, gguf_to_hf_name, load_model
 from gpu_worker.models import MODEL_REGISTRY, Phi3ForCausalLM
 from gpu_worker.models.llama import rope_inv_freq
-from gpu_worker.ops.layer_ops import TritonLayerOps
 from shared.model_source import resolve_model
 from tests.helpers.tiny_models import PagedRunner, save_tiny_model
 from tests.unit.test_llama_model import (
@@ -39,6 +37,7 @@ from tests.unit.test_llama_model import (
 )
 from tests.unit.test_qwen3_model import (
     _hf_greedy,
+    check_triton_backend,
     test_engine_prefix_cache_hit_gives_transformers_tokens,
     test_prefix_cache_hit_reads_shared_blocks,
 )
@@ -128,24 +127,8 @@ def test_regimes_differ(pair: PhiPair) -> None:
 
 
 def test_triton_backend_matches_transformers(tmp_path: Path) -> None:
-    """Triton attention and layer ops (interpreted on CPU): one mixed-length batch past the
-    original context, then a decode step."""
-    _, hf = save_tiny_model(tmp_path, "phi3", tie_word_embeddings=False, seed=1, **phi3_overrides())
-    ours, config = load_model(
-        resolve_model(str(tmp_path)),
-        torch.device("cpu"),
-        attn_backend=get_attention_backend("triton"),
-        layer_ops=TritonLayerOps(),
-    )
-    prompts = {0: _prompt(30, 21, config.vocab_size), 1: _prompt(31, 17, config.vocab_size)}
-    runner = PagedRunner(ours, config)
-    first = runner.step(prompts)
-    nxt = {i: [int(first[i][-1].argmax())] for i in prompts}
-    second = runner.step(nxt)
-    for i, prompt in prompts.items():
-        expected = _hf_logits(hf, prompt + nxt[i])
-        got = torch.cat((first[i], second[i]))
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    """One mixed-length batch past the original context, then a decode step."""
+    check_triton_backend(tmp_path, "phi3", (21, 17), **phi3_overrides())
 
 
 def _write_gguf(hf: transformers.PreTrainedModel, path: Path) -> None:

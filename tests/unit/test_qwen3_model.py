@@ -19,7 +19,13 @@ from gpu_worker.loader import config_from_hf, gguf_to_hf_name, load_model
 from gpu_worker.models import MODEL_REGISTRY, Qwen3ForCausalLM
 from gpu_worker.ops.layer_ops import TritonLayerOps
 from shared.model_source import resolve_model
-from tests.helpers.tiny_models import PagedRunner, _SeqState, save_tiny_model, save_tiny_tokenizer
+from tests.helpers.tiny_models import (
+    Family,
+    PagedRunner,
+    _SeqState,
+    save_tiny_model,
+    save_tiny_tokenizer,
+)
 from tests.unit.test_llama_model import (
     Pair,
     _hf_logits,
@@ -97,16 +103,19 @@ def test_engine_prefix_cache_hit_gives_transformers_tokens(pair: Pair, tmp_path:
     assert done.num_cached_tokens == 32
 
 
-def test_triton_backend_matches_transformers(tmp_path: Path) -> None:
-    """Triton attention and layer ops (interpreted on CPU): one mixed-length batch."""
-    _, hf = save_tiny_model(tmp_path, "qwen3", tie_word_embeddings=False, seed=1, **QWEN3)
+def check_triton_backend(
+    tmp_path: Path, family: Family, lengths: tuple[int, int], **overrides: Any
+) -> None:
+    """Triton attention and layer ops (interpreted on CPU) on a tiny `family` model: one
+    mixed-length batch of prompts of `lengths`, then a decode step, against transformers."""
+    _, hf = save_tiny_model(tmp_path, family, tie_word_embeddings=False, seed=1, **overrides)
     ours, config = load_model(
         resolve_model(str(tmp_path)),
         torch.device("cpu"),
         attn_backend=get_attention_backend("triton"),
         layer_ops=TritonLayerOps(),
     )
-    prompts = {0: _prompt(30, 9, config.vocab_size), 1: _prompt(31, 3, config.vocab_size)}
+    prompts = {i: _prompt(30 + i, n, config.vocab_size) for i, n in enumerate(lengths)}
     runner = PagedRunner(ours, config)
     first = runner.step(prompts)
     nxt = {i: [int(first[i][-1].argmax())] for i in prompts}
@@ -115,6 +124,10 @@ def test_triton_backend_matches_transformers(tmp_path: Path) -> None:
         expected = _hf_logits(hf, prompt + nxt[i])
         got = torch.cat((first[i], second[i]))
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def test_triton_backend_matches_transformers(tmp_path: Path) -> None:
+    check_triton_backend(tmp_path, "qwen3", (9, 3), **QWEN3)
 
 
 def _write_gguf(hf: transformers.PreTrainedModel, path: Path) -> None:

@@ -56,6 +56,11 @@ class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
+    finished_request_ids: list[str] = field(default_factory=list)
+    """Requests that left the running set since the previous `schedule()` (finished,
+    aborted or preempted: their blocks are freed), each handed out once, as in vLLM v1:
+    the runner and the sampler drop their per-request rows for them. Released before this
+    step's sequences are laid out, so an id reused by a new request gets a fresh row."""
 
     @property
     def is_empty(self) -> bool:
@@ -83,6 +88,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
+        self._left_running: list[str] = []
+        """Ids for the next `SchedulerOutput.finished_request_ids`."""
 
     @property
     def num_running(self) -> int:
@@ -130,6 +137,7 @@ class Scheduler:
                 continue
             if seq.status == SequenceStatus.RUNNING:
                 self.running.remove(seq)
+                self._left_running.append(request_id)
             else:
                 self.waiting.remove(seq)
             seq.finish(reason)
@@ -182,6 +190,7 @@ class Scheduler:
             bisect.insort(self.running, seq, key=self._key)
             self._emit(out, seq, num_cached, num_new)
             budget -= num_new
+        out.finished_request_ids, self._left_running = self._left_running, []
         return out
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
@@ -204,6 +213,7 @@ class Scheduler:
             self._check_stop(seq, token_id)
             if seq.is_finished:
                 self.running.remove(seq)
+                self._left_running.append(seq.request_id)
                 self._release(seq)
             changed.append(seq)
         return changed
@@ -224,6 +234,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         # Output tokens are kept: the recompute covers prompt + output, mostly from cache.
         self.kv.free(seq)
+        self._left_running.append(seq.request_id)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.PREEMPTED

@@ -19,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from gpu_worker.sampling.penalties import PenaltyRows, has_penalty
 from gpu_worker.sampling.state import SamplerState
 from gpu_worker.sampling.structured import GrammarMasker, RequestMatcher
 from gpu_worker.sampling.token_filters import TokenFilters, new_token_filter
@@ -27,8 +28,11 @@ from shared.sampling import SamplingParams
 
 
 class SamplingRequest(Protocol):
-    """One row of a step as the sampler reads it: the request's params and tokens (the
+    """One row of a step as the sampler reads it: the request's id, params and tokens (the
     engine's `Sequence` owns them) and the sampler's own state for it."""
+
+    @property
+    def request_id(self) -> str: ...
 
     @property
     def sampling(self) -> SamplingParams: ...
@@ -85,6 +89,12 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self.grammar = GrammarMasker(vocab_size, self.device, self.eos_token_ids)
         self.token_filters = TokenFilters(vocab_size, self.device)
+        self.penalties = PenaltyRows(vocab_size, self.device)
+
+    def release(self, request_ids: list[str]) -> None:
+        """Free the persistent rows of requests that left the running set (finished,
+        aborted or preempted); a preempted request takes a new row when it samples again."""
+        self.penalties.release(request_ids)
 
     def sample(self, logits: torch.Tensor, states: list[SamplingRequest]) -> SamplerOutput:
         """Sample one token per row of `logits` ([n, >= vocab_size]) for `states[row]`."""
@@ -94,7 +104,7 @@ class Sampler:
         num_top = [p.logprobs or 0 for p in params]
         wants_logprobs = any(p.logprobs is not None for p in params)
         bans = self._min_tokens_bans(states)
-        uses_penalty = any(_has_penalty(p) for p in params)
+        penalized = [row for row, p in enumerate(params) if has_penalty(p)]
         uses_bias = any(p.logit_bias for p in params)
         active = [
             (row, m)
@@ -105,7 +115,7 @@ class Sampler:
         filters = [s.sampler_state.token_filter for s in states]
         filtered = any(filters)
         if all(p.is_greedy for p in params) and not (
-            wants_logprobs or bans or uses_penalty or uses_bias or constrained or filtered
+            wants_logprobs or bans or penalized or uses_bias or constrained or filtered
         ):
             return SamplerOutput(token_ids=_argmax_rows(logits).tolist(), num_top=num_top)
 
@@ -121,8 +131,8 @@ class Sampler:
         if bans:
             rows, cols = zip(*bans, strict=True)
             x[self._upload(rows, torch.long), self._upload(cols, torch.long)] = float("-inf")
-        if uses_penalty:
-            self._apply_penalties(x, states)
+        if penalized:
+            self.penalties.apply(x, penalized, [states[row] for row in penalized])
 
         is_greedy = [p.is_greedy for p in params]
         if all(is_greedy):
@@ -165,50 +175,6 @@ class Sampler:
         if rows:
             index = (self._upload(rows, torch.long), self._upload(cols, torch.long))
             x.index_put_(index, self._upload(vals, torch.float32), accumulate=True)
-
-    def _apply_penalties(self, x: torch.Tensor, states: list[SamplingRequest]) -> None:
-        """Repetition (HF, prompt + output), then frequency and presence (OpenAI, output)."""
-        n, vocab = x.shape
-        rows: list[int] = []
-        cols: list[int] = []
-        for row, s in enumerate(states):
-            if _has_penalty(s.sampling):
-                rows.extend([row] * len(s.output_token_ids))
-                cols.extend(s.output_token_ids)
-        counts = torch.zeros(n, vocab, dtype=torch.float32, device=x.device)
-        if rows:
-            index = (self._upload(rows, torch.long), self._upload(cols, torch.long))
-            counts.index_put_(index, torch.ones(len(rows), device=x.device), accumulate=True)
-        in_output = counts > 0
-
-        rep = [s.sampling.repetition_penalty for s in states]
-        if any(r != 1.0 for r in rep):
-            none_seen = torch.zeros(vocab, dtype=torch.bool, device=x.device)
-            prompt_seen = torch.stack(
-                [
-                    self._prompt_mask(s) if s.sampling.repetition_penalty != 1.0 else none_seen
-                    for s in states
-                ]
-            )
-            seen = prompt_seen | in_output
-            penalty = self._upload(rep, torch.float32)[:, None].expand(n, vocab)
-            penalized = torch.where(x > 0, x / penalty, x * penalty)
-            x.copy_(torch.where(seen, penalized, x))
-        freq = self._upload([s.sampling.frequency_penalty for s in states], torch.float32)
-        presence = self._upload([s.sampling.presence_penalty for s in states], torch.float32)
-        x.sub_(freq[:, None] * counts + presence[:, None] * in_output)
-
-    def _prompt_mask(self, request: SamplingRequest) -> torch.Tensor:
-        # Cached: a prompt never changes, and re-uploading it every step would cost
-        # O(prompt length) per row per step.
-        state = request.sampler_state
-        if state.prompt_mask is None:
-            mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
-            ids = [t for t in request.prompt_token_ids if 0 <= t < self.vocab_size]
-            if ids:
-                mask[self._upload(ids, torch.long)] = True
-            state.prompt_mask = mask
-        return state.prompt_mask
 
     def _sample_random(self, x: torch.Tensor, states: list[SamplingRequest]) -> torch.Tensor:
         """Temperature, min-p, top-k, top-p, then one exponential-race draw per row."""
@@ -286,7 +252,3 @@ def _argmax_rows(x: torch.Tensor) -> torch.Tensor:
     `max(dim)` is no slower than `argmax` over a 49k vocabulary on CPU, faster on some
     (bench/RESULTS.md, Design choices), and no slower on CUDA."""
     return x.max(dim=-1).indices
-
-
-def _has_penalty(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0

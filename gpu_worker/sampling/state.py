@@ -24,8 +24,6 @@ class SamplerState:
 
     generator: torch.Generator | None = None
     """Made once from params.seed on the sampling device; None for unseeded requests."""
-    prompt_mask: torch.Tensor | None = field(default=None, repr=False)
-    """[vocab] bool of prompt tokens, built on first use by the repetition penalty."""
     matcher: RequestMatcher | None = field(default=None, repr=False)
     """The structured-output matcher of a constrained request; None for free ones."""
     token_filter: TokenFilter | None = field(default=None, repr=False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -11,13 +13,14 @@ from shared.sampling import SamplingParams
 
 CPU = torch.device("cpu")
 EOS = 7
+_ids = itertools.count()
 
 
 def _request(params: SamplingParams, prompt: list[int] | None = None) -> Sequence:
-    """A sequence as the engine makes one: the sampler reads its params, its tokens and
-    its sampler state."""
+    """A sequence as the engine makes one, with an id of its own: the sampler reads its
+    id, params, tokens and sampler state."""
     state = new_sampler_state(params, CPU)
-    return Sequence("r", list(prompt or []), params, sampler_state=state)
+    return Sequence(f"r{next(_ids)}", list(prompt or []), params, sampler_state=state)
 
 
 def _state(prompt: list[int] | None = None, **params: object) -> Sequence:
@@ -131,15 +134,14 @@ def test_penalties_against_hand_computed_values(
     penalties: dict[str, float], expected: list[float]
 ) -> None:
     # Prompt {0, 4}; output 1 once and 3 twice. Repetition covers prompt and output,
-    # frequency and presence only the output. The second row has no penalty.
+    # frequency and presence only the output. The first row has no penalty, so the
+    # second is penalized alone (the batch's penalized rows are a subset).
     penalized = _state(prompt=[0, 4], **penalties)
     penalized.output_token_ids.extend([1, 3, 3])
-    plain = _state(prompt=[0, 4])
-    plain.output_token_ids.extend([1, 3, 3])
     x = torch.tensor([LOGITS, LOGITS])
-    _sampler(6)._apply_penalties(x, [penalized, plain])
-    assert x[0].tolist() == pytest.approx(expected)
-    assert x[1].tolist() == LOGITS
+    _sampler(6).penalties.apply(x, [1], [penalized])
+    assert x[0].tolist() == LOGITS
+    assert x[1].tolist() == pytest.approx(expected)
 
 
 def test_presence_penalty_changes_the_greedy_pick() -> None:

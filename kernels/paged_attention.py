@@ -6,12 +6,17 @@ the two products are `tl.dot`s), over one partition of the context. With several
 program writes its partition's normalized output and log-sum-exp, and `_combine_splits_kernel`
 merges them; with one split the program writes the output directly.
 
-Each sequence's context is cut into `num_splits` equal partitions (rounded up to the key tile),
-so sequences of different lengths in one batch all use every split they can. With a sliding
-window only the last `window` keys are partitioned: blocks wholly before it are never loaded.
-The grid depends only on tensor shapes, never on their contents: the launcher is safe to
-capture in a CUDA graph (after a warm-up call per shape, which on a GPU also runs the
-autotuner).
+Each sequence's context is cut into partitions of a fixed `split_size` tokens, so a long
+sequence among short ones gets as many programs as its length needs instead of becoming the
+step's tail; the programs past a sequence's end exit at once. The split size and the grid
+depend only on tensor shapes (the batch and the block-table width), never on their contents:
+the launcher is safe to capture in a CUDA graph (after a warm-up call per shape, which on a
+GPU also runs the autotuner). With a sliding window only the last `window` keys are
+partitioned: blocks wholly before it are never loaded.
+
+The key loop is software-pipelined by Triton (cp.async into multi-buffered shared memory):
+the block ids of the next tile are loaded one iteration ahead, so the K/V addresses of a tile
+never wait on a load of the same iteration, which is what kept the pipeliner to one buffer.
 
 KV cache layout (gpu_worker/attention/torch_backend.py):
 `[2, num_blocks, block_size, num_kv_heads, head_dim]`,
@@ -36,19 +41,21 @@ from kernels import (
 )
 
 LOG2E = 1.4426950408889634
-MIN_TOKENS_PER_SPLIT = 256  # below this, a split's fixed cost outweighs the parallelism it adds
-MAX_SPLITS = 64
-PROGRAMS_PER_SM = 2  # aim for this many programs per SM before adding splits
+MIN_SPLIT_TOKENS = 256  # below this, a split's fixed cost outweighs the parallelism it adds
+MAX_SPLIT_TOKENS = 1024  # a long sequence among short ones gets length / 1024 programs a head
+MAX_SPLITS = 64  # bounds the grid and the partials: very long contexts get longer splits
+PROGRAMS_PER_SM = 4  # aim for this many programs per SM before cutting splits below the cap
 INTERPRETER_BLOCK_N = 32  # two 16-token blocks per key tile, so tests cross block boundaries
 
-# Decode is memory-bound: what matters is bytes in flight (tile size x pipeline depth).
+# Decode is memory-bound: what matters is bytes in flight (tile size x pipeline depth) per SM,
+# against the shared memory each stage costs (2 * BLOCK_N * HEAD_DIM elements).
 _DECODE_CONFIGS = [
     triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=3),
     triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=4),
     triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=2),
     triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=3),
-    triton.Config({"BLOCK_N": 128}, num_warps=4, num_stages=3),
-    triton.Config({"BLOCK_N": 128}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_N": 128}, num_warps=8, num_stages=2),
 ]
 
 
@@ -64,7 +71,10 @@ def softcap_log2(qk, SOFTCAP: tl.constexpr):
     return tl.where(x < 0, -t, t) * (SOFTCAP * log2e)
 
 
-@triton.jit
+# batch_bucket is only an autotune key. Ints that vary from step to step are not specialized
+# (Triton compiles a variant per int that is 1 or a multiple of 16): a new variant would
+# compile on a request.
+@triton.jit(do_not_specialize=["num_splits", "split_size", "window", "batch_bucket"])
 def _paged_decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -85,7 +95,9 @@ def _paged_decode_kernel(
     stride_oh,
     num_heads,
     num_splits,
+    split_size,
     window,
+    batch_bucket,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -104,9 +116,11 @@ def _paged_decode_kernel(
     # The query sits at seq_len - 1 and sees keys (seq_len - 1 - window, seq_len - 1]: every
     # key of [first, seq_len) is visible, so the loop below needs no window mask.
     first = tl.maximum(seq_len - window, 0) if HAS_WINDOW else 0
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
-    start = first + split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, seq_len)
+    start = first + split * split_size
+    end = tl.minimum(start + split_size, seq_len)
+    if not SINGLE_SPLIT:  # noqa: SIM102 (a constexpr test: the branch compiles away)
+        if start >= end:
+            return  # past this sequence's end: the combine reads only the splits that ran
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -121,11 +135,16 @@ def _paged_decode_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bts
     k_base = k_cache_ptr + kv_head * stride_ch
     v_base = v_cache_ptr + kv_head * stride_ch
+    # Block ids run one tile ahead of the K/V loads: addresses that hang on a load of the same
+    # iteration keep Triton's pipeliner to a single buffer (load, wait, compute, each tile).
+    offs_n = start + tl.arange(0, BLOCK_N)
+    block = tl.load(table + offs_n // PAGE_SIZE, mask=offs_n < end, other=0).to(tl.int64)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        block = tl.load(table + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
         slot = block * stride_cb + (offs_n % PAGE_SIZE) * stride_ct
+        next_n = offs_n + BLOCK_N
+        block = tl.load(table + next_n // PAGE_SIZE, mask=next_n < end, other=0).to(tl.int64)
         k = tl.load(k_base + slot[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         if SOFTCAP > 0:
@@ -140,11 +159,9 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    # An empty partition (short sequence, many splits) has l_i == 0: it writes zeros and a
-    # log-sum-exp of -inf, which gives it zero weight in the combine.
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    result = acc / l_safe[:, None]
     if SINGLE_SPLIT:
+        # An empty sequence (a CUDA graph's padding row) has l_i == 0: it writes zeros.
+        result = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_offs = seq * stride_os + heads * stride_oh
         tl.store(
             out_ptr + o_offs[:, None] + offs_d[None, :],
@@ -152,44 +169,65 @@ def _paged_decode_kernel(
             mask=head_mask[:, None],
         )
     else:
-        # Partials are contiguous [num_seqs, num_heads, num_splits(, HEAD_DIM)] fp32.
+        # Partials are contiguous [num_seqs, num_heads, num_splits(, HEAD_DIM)] fp32; this
+        # split holds at least one key, so l_i > 0.
         rows = (seq * num_heads + heads) * num_splits + split
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-        tl.store(part_lse_ptr + rows, lse, mask=head_mask)
+        tl.store(part_lse_ptr + rows, m_i + tl.log2(l_i), mask=head_mask)
         tl.store(
             part_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :],
-            result,
+            acc / l_i[:, None],
             mask=head_mask[:, None],
         )
 
 
-_paged_decode_kernel_tuned = triton.autotune(
-    configs=_DECODE_CONFIGS, key=["HEAD_DIM", "GROUP_PAD", "PAGE_SIZE", "num_splits"]
-)(_paged_decode_kernel)
+# Every constexpr that changes the compiled code is a key, so each variant is tuned on its
+# own; the lengths enter only bucketed (split_size is a power of two, batch_bucket one too).
+DECODE_TUNE_KEY = [
+    "HEAD_DIM",
+    "GROUP_PAD",
+    "PAGE_SIZE",
+    "SINGLE_SPLIT",
+    "HAS_WINDOW",
+    "SOFTCAP",
+    "split_size",
+    "batch_bucket",
+]
+_paged_decode_kernel_tuned = triton.autotune(configs=_DECODE_CONFIGS, key=DECODE_TUNE_KEY)(
+    _paged_decode_kernel
+)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "split_size", "window"])
 def _combine_splits_kernel(
     part_out_ptr,
     part_lse_ptr,
+    seq_lens_ptr,
     out_ptr,
     stride_os,
     stride_oh,
     num_heads,
     num_splits,
+    split_size,
+    window,
+    HAS_WINDOW: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first = tl.maximum(seq_len - window, 0) if HAS_WINDOW else 0
+    # The splits that held keys; the rest exited without writing. None for an empty
+    # sequence (a CUDA graph's padding row): it gets zeros.
+    num_valid = tl.cdiv(seq_len - first, split_size)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    split_mask = offs_s < num_splits
+    split_mask = offs_s < num_valid
     rows = (seq * num_heads + head) * num_splits + offs_s
     lse = tl.load(part_lse_ptr + rows, mask=split_mask, other=float("-inf"))
     m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # a zero-length sequence: every weight is 0
-    weights = tl.exp2(lse - m)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    weights = tl.where(split_mask, tl.exp2(lse - m), 0.0)
     total = tl.sum(weights, 0)
     parts = tl.load(
         part_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :],
@@ -215,13 +253,29 @@ def check_softcap(softcap: float | None) -> None:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
 
 
-def choose_num_splits(
+def choose_split_size(
     num_seqs: int, num_kv_heads: int, max_context: int, num_programs_target: int
 ) -> int:
-    """Split the context only as far as needed to give the GPU enough programs, and never
-    below MIN_TOKENS_PER_SPLIT tokens per split."""
+    """Tokens per split, a power of two: small enough that the batch fills the GPU with
+    programs (`num_programs_target`) if every sequence were `max_context` long, never more
+    than MAX_SPLIT_TOKENS (so one long sequence among short ones is spread too), never less
+    than MIN_SPLIT_TOKENS, and large enough for at most MAX_SPLITS splits."""
     wanted = triton.cdiv(num_programs_target, max(num_seqs * num_kv_heads, 1))
-    return max(1, min(wanted, triton.cdiv(max_context, MIN_TOKENS_PER_SPLIT), MAX_SPLITS))
+    size = min(triton.next_power_of_2(triton.cdiv(max(max_context, 1), wanted)), MAX_SPLIT_TOKENS)
+    floor = triton.next_power_of_2(triton.cdiv(max(max_context, 1), MAX_SPLITS))
+    return max(size, MIN_SPLIT_TOKENS, floor)
+
+
+def decode_context(block_tables: torch.Tensor, page_size: int, window: int | None) -> int:
+    """The most keys any query of the batch can see, from shapes only: the block-table width,
+    or the window when it is shorter."""
+    max_context = block_tables.shape[1] * page_size
+    return max_context if window is None else min(max_context, window)
+
+
+def batch_bucket(num_seqs: int) -> int:
+    """The decode autotuner's batch key: the next power of two."""
+    return triton.next_power_of_2(max(num_seqs, 1))
 
 
 def paged_decode_attention(
@@ -231,7 +285,7 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     *,
-    num_splits: int | None = None,
+    split_size: int | None = None,
     window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
@@ -241,8 +295,9 @@ def paged_decode_attention(
     the query at p sees keys p - window < k <= p; None attends to all). With `softcap` the
     scaled scores s become `softcap * tanh(s / softcap)` (Gemma 2); each cap compiles once.
 
-    `block_tables` is `[num_seqs, max_blocks]` (padding never read); `num_splits` overrides the
-    split-K heuristic. Returns a new contiguous tensor shaped like q.
+    `block_tables` is `[num_seqs, max_blocks]` (padding never read); `split_size` (tokens per
+    split-K partition) overrides `choose_split_size`. Returns a new contiguous tensor shaped
+    like q.
     """
     on_gpu = check_launchable(q, kv_cache, block_tables, seq_lens)
     check_attention_inputs(q, kv_cache, block_tables)
@@ -257,14 +312,13 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
 
-    if num_splits is None:
+    max_context = decode_context(block_tables, page_size, window)
+    if split_size is None:
         sms = num_sms(q.device) if on_gpu else 4
-        max_context = block_tables.shape[1] * page_size
-        if window is not None:
-            max_context = min(max_context, window)
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, PROGRAMS_PER_SM * sms)
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+        split_size = choose_split_size(num_seqs, num_kv_heads, max_context, PROGRAMS_PER_SM * sms)
+    if split_size < 1:
+        raise ValueError(f"split_size must be >= 1, got {split_size}")
+    num_splits = triton.cdiv(max(max_context, 1), split_size)
     if num_splits > 1:
         part_out = torch.empty(
             (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
@@ -296,7 +350,9 @@ def paged_decode_attention(
         out.stride(1),
         num_heads,
         num_splits,
+        split_size,
         window or 0,
+        batch_bucket(num_seqs),
     )
     meta = dict(
         GROUP=group,
@@ -318,11 +374,15 @@ def paged_decode_attention(
         _combine_splits_kernel[(num_seqs, num_heads)](
             part_out,
             part_lse,
+            seq_lens,
             out,
             out.stride(0),
             out.stride(1),
             num_heads,
             num_splits,
+            split_size,
+            window or 0,
+            HAS_WINDOW=window is not None,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim,
             num_warps=4 if head_dim >= 128 else 2,

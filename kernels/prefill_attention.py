@@ -32,6 +32,7 @@ from kernels import check_attention_inputs, check_launchable, check_lengths, dot
 from kernels.paged_attention import LOG2E, check_softcap, check_window, softcap_log2
 
 MAX_BLOCK_M = 128
+MIN_TOKENS_BUCKET = 16
 INTERPRETER_BLOCK_N = 32
 
 _PREFILL_CONFIGS = [
@@ -136,8 +137,10 @@ def _attend_keys(
     return acc, m_i, l_i
 
 
-# Triton specializes int arguments equal to 1; one sequence should not cost another compile.
-@triton.jit(do_not_specialize=["num_seqs"])
+# Triton compiles a variant per int argument that is 1 or a multiple of 16: the ints that vary
+# from step to step are not specialized, or a new variant would compile on a request.
+# tokens_bucket is only an autotune key.
+@triton.jit(do_not_specialize=["num_seqs", "num_tiles", "window", "tokens_bucket"])
 def _paged_prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -150,6 +153,7 @@ def _paged_prefill_kernel(
     num_seqs,
     num_tiles,
     window,
+    tokens_bucket,
     scale_log2,
     stride_qt,
     stride_qh,
@@ -239,11 +243,29 @@ def _paged_prefill_kernel(
     )
 
 
+# Every constexpr that changes the compiled code is a key, so each variant is tuned on its
+# own; the step's size enters only as a power-of-two bucket of its token count. The tile
+# height (BLOCK_M) is a power of two of the longest query already.
+PREFILL_TUNE_KEY = [
+    "HEAD_DIM",
+    "GROUP_PAD",
+    "PAGE_SIZE",
+    "BLOCK_M",
+    "HAS_WINDOW",
+    "SOFTCAP",
+    "tokens_bucket",
+]
 _paged_prefill_kernel_tuned = triton.autotune(
     configs=_PREFILL_CONFIGS,
-    key=["HEAD_DIM", "GROUP_PAD", "PAGE_SIZE", "BLOCK_M"],
+    key=PREFILL_TUNE_KEY,
     prune_configs_by={"early_config_prune": _prune_configs},
 )(_paged_prefill_kernel)
+
+
+def tokens_bucket(num_tokens: int) -> int:
+    """The prefill autotuner's size key: the next power of two, at least MIN_TOKENS_BUCKET
+    (smaller steps differ in their tile height, not in their size)."""
+    return max(MIN_TOKENS_BUCKET, triton.next_power_of_2(max(num_tokens, 1)))
 
 
 def choose_block_m(max_query_len: int, group_pad: int) -> int:
@@ -308,6 +330,7 @@ def paged_prefill_attention(
         num_seqs,
         num_tiles,
         window or 0,
+        tokens_bucket(num_tokens),
         scale * LOG2E,
         q.stride(0),
         q.stride(1),

@@ -15,8 +15,50 @@ import torch
 from gpu_worker.attention.metadata import AttentionMetadata
 
 
+class AttentionModelConfig(Protocol):
+    """What `tune` reads of the model's config. `gpu_worker.models.config.ModelConfig` is
+    one; attention sits below the models, so it names the fields instead of importing it."""
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def num_heads(self) -> int: ...
+
+    @property
+    def num_kv_heads(self) -> int: ...
+
+    @property
+    def attn_logit_softcapping(self) -> float | None: ...
+
+    def window_of(self, layer: int) -> int | None: ...
+
+
+def attention_variants(model_config: AttentionModelConfig) -> list[tuple[int | None, float | None]]:
+    """The distinct (window, soft-cap) pairs the model's layers attend with: each is its own
+    compiled kernel, so each is tuned. Global layers (None) first."""
+    cap = model_config.attn_logit_softcapping
+    windows = {model_config.window_of(layer) for layer in range(model_config.num_layers)}
+    return [(window, cap) for window in sorted(windows, key=lambda w: -1 if w is None else w)]
+
+
 class AttentionBackend(Protocol):
     """What the model calls for attention; the torch and Triton backends implement it."""
+
+    def tune(
+        self,
+        model_config: AttentionModelConfig,
+        kv_cache: torch.Tensor,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        """Run, once at start-up, every autotuner this backend's kernels will use, over
+        representative bucketed shapes of every window/soft-cap variant the model's layers
+        use, so that no request ever waits for a tuning run. Called after the KV cache is
+        allocated (`kv_cache` is any layer's cache) and before CUDA graph capture."""
+        ...
 
     def plan(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> None:
         """Prepare this step's work for every layer. `kv_cache` is any layer's cache: all

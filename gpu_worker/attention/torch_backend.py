@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gpu_worker.attention.backend import AttentionModelConfig
 from gpu_worker.attention.metadata import AttentionMetadata
 from gpu_worker.attention.torch_plan import DecodeGroup, PrefillSeq, TorchAttentionPlan
 from gpu_worker.ops import cpu_ops
@@ -32,6 +33,17 @@ class TorchAttentionBackend:
         layer with that window: the masks differ, and the CPU kernel has no window. Under
         None, the plan of soft-capped global layers when the CPU kernel (which has no
         soft-capping either) takes the decodes of `step_plan`."""
+
+    def tune(
+        self,
+        model_config: AttentionModelConfig,
+        kv_cache: torch.Tensor,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        """Nothing to tune: plain torch and the CPU kernels have no autotuned parameters."""
 
     def plan(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> None:
         kernel = _decode_kernel_applies(kv_cache, meta)

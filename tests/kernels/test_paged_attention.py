@@ -9,7 +9,7 @@ from gpu_worker.attention.metadata import build_attention_metadata
 from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from kernels.cache_ops import write_kv_cache
 from kernels.paged_attention import (
-    choose_num_splits,
+    choose_split_size,
     paged_decode_attention,
     paged_decode_attention_ref,
 )
@@ -50,15 +50,15 @@ def test_decode_matches_reference(make_paged_batch, device, dtype, seq_lens, gro
     _assert_close(out, expected, dtype)
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 5, 9])
-def test_decode_split_k(make_paged_batch, device, num_splits):
-    """Several splits, including more splits than a short sequence has key tiles (empty
-    partitions must carry zero weight) and partitions ending mid-block."""
+@pytest.mark.parametrize("split_size", [144, 64, 27, 16])
+def test_decode_split_k(make_paged_batch, device, split_size):
+    """One split, several, splits past a short sequence's end (they exit without writing and
+    the combine must skip them), partitions ending mid-tile and mid-block."""
     dtype = torch.float32
     seq_lens = [1, 17, 80, 130]
     q, kv_cache, meta = _decode_inputs(make_paged_batch, seq_lens, 3, 64, dtype, device)
     args = (q, kv_cache, meta.block_tables, meta.seq_lens, 0.125)
-    out = paged_decode_attention(*args, num_splits=num_splits)
+    out = paged_decode_attention(*args, split_size=split_size)
     _assert_close(out, paged_decode_attention_ref(*args), dtype)
 
 
@@ -92,7 +92,7 @@ def test_decode_strided_q_and_minus_one_padding(make_paged_batch, device):
     tables = meta.block_tables.clone()
     tables[1, 1:] = -1
     seq_lens_i64 = meta.seq_lens.long()
-    out = paged_decode_attention(q, kv_cache, tables, seq_lens_i64, 0.125, num_splits=2)
+    out = paged_decode_attention(q, kv_cache, tables, seq_lens_i64, 0.125, split_size=32)
     expected = paged_decode_attention_ref(q, kv_cache, tables, seq_lens_i64, 0.125)
     _assert_close(out, expected, dtype)
 
@@ -109,14 +109,17 @@ def test_decode_rejects_bad_shapes(make_paged_batch, device):
         )
 
 
-def test_choose_num_splits():
-    # Few programs and a long context: split up to the cap.
-    assert choose_num_splits(1, 8, 32768, num_programs_target=264) == 33
-    assert choose_num_splits(1, 1, 1 << 20, num_programs_target=10_000) == 64
-    # Enough programs already: no split.
-    assert choose_num_splits(256, 8, 8192, num_programs_target=264) == 1
-    # Short contexts are never cut below 256 tokens per split.
-    assert choose_num_splits(1, 8, 512, num_programs_target=264) == 2
+def test_choose_split_size():
+    # Few programs and a long context: splits as short as the programs wanted need.
+    assert choose_split_size(1, 8, 32768, num_programs_target=528) == 512
+    # Enough programs already: still at most 1024 tokens a split, so one long sequence
+    # among many short ones is spread over 16 programs per KV head, not one.
+    assert choose_split_size(64, 8, 16384, num_programs_target=528) == 1024
+    # Never below 256 tokens, never more than 64 splits.
+    assert choose_split_size(1, 8, 512, num_programs_target=528) == 256
+    assert choose_split_size(1, 1, 1 << 20, num_programs_target=10_000) == 1 << 14
+    # A short context is one split.
+    assert choose_split_size(8, 8, 200, num_programs_target=528) == 256
 
 
 @pytest.mark.cuda
@@ -136,30 +139,30 @@ def test_decode_full_size_bf16(cuda_device):
     kv_cache = kv_cache.to(dtype)
     q = torch.randn(num_seqs, 32, head_dim, device=cuda_device, dtype=dtype)
     expected = paged_decode_attention_ref(q, kv_cache, meta.block_tables, meta.seq_lens, 0.088)
-    for num_splits in (None, 1, 7):
+    for split_size in (None, 4096, 600):
         out = paged_decode_attention(
-            q, kv_cache, meta.block_tables, meta.seq_lens, 0.088, num_splits=num_splits
+            q, kv_cache, meta.block_tables, meta.seq_lens, 0.088, split_size=split_size
         )
         _assert_close(out, expected, dtype)
 
 
-# seq_lens, window, group, num_splits; block size 16, head_dim 64.
+# seq_lens, window, group, split_size; block size 16, head_dim 64.
 WINDOW_DECODE_CASES = [
-    pytest.param([40, 5, 17], 8, 3, 1, id="window-inside-one-block-gqa3"),
-    pytest.param([40, 33, 16], 20, 2, 1, id="window-spans-blocks"),
-    pytest.param([130, 7, 64], 50, 1, 3, id="window-split-k"),
-    pytest.param([3, 17], 1, 2, 2, id="window-one-key"),
+    pytest.param([40, 5, 17], 8, 3, None, id="window-inside-one-block-gqa3"),
+    pytest.param([40, 33, 16], 20, 2, None, id="window-spans-blocks"),
+    pytest.param([130, 7, 64], 50, 1, 17, id="window-split-k"),
+    pytest.param([3, 17], 1, 2, 1, id="window-one-key"),
 ]
 
 
-@pytest.mark.parametrize(("seq_lens", "window", "group", "num_splits"), WINDOW_DECODE_CASES)
+@pytest.mark.parametrize(("seq_lens", "window", "group", "split_size"), WINDOW_DECODE_CASES)
 def test_decode_sliding_window(
-    make_paged_batch, device, dtype, seq_lens, window, group, num_splits
+    make_paged_batch, device, dtype, seq_lens, window, group, split_size
 ):
     """Only the last `window` keys count; sequences shorter than the window see them all."""
     q, kv_cache, meta = _decode_inputs(make_paged_batch, seq_lens, group, 64, dtype, device)
     args = (q, kv_cache, meta.block_tables, meta.seq_lens, 0.125)
-    out = paged_decode_attention(*args, num_splits=num_splits, window=window)
+    out = paged_decode_attention(*args, split_size=split_size, window=window)
     expected = paged_decode_attention_ref(*args, window=window)
     _assert_close(out, expected, dtype)
     # The window really cuts something (else the case would pass with no window at all).
@@ -176,23 +179,23 @@ def test_decode_window_ignores_keys_outside(make_paged_batch, device):
     _assert_close(out, expected, torch.float32)
 
 
-# window, num_splits; softcap 1.5 at scale 0.5 saturates the tanh for most scores.
+# window, split_size; softcap 1.5 at scale 0.5 saturates the tanh for most scores.
 SOFTCAP_DECODE_CASES = [
-    pytest.param(None, 1, id="softcap"),
-    pytest.param(None, 3, id="softcap-split-k"),
-    pytest.param(20, 2, id="softcap-window"),
+    pytest.param(None, None, id="softcap"),
+    pytest.param(None, 16, id="softcap-split-k"),
+    pytest.param(20, 10, id="softcap-window"),
 ]
 
 
-@pytest.mark.parametrize(("window", "num_splits"), SOFTCAP_DECODE_CASES)
-def test_decode_softcap(make_paged_batch, device, window, num_splits):
+@pytest.mark.parametrize(("window", "split_size"), SOFTCAP_DECODE_CASES)
+def test_decode_softcap(make_paged_batch, device, window, split_size):
     """Gemma 2's capped scores, alone and with a window, against the reference, and the
     torch backend's capped path on the same cache."""
     dtype = torch.float32
     seq_lens = [40, 5, 33]
     q, kv_cache, meta = _decode_inputs(make_paged_batch, seq_lens, 2, 64, dtype, device)
     args = (q, kv_cache, meta.block_tables, meta.seq_lens, 0.5)
-    out = paged_decode_attention(*args, num_splits=num_splits, window=window, softcap=1.5)
+    out = paged_decode_attention(*args, split_size=split_size, window=window, softcap=1.5)
     expected = paged_decode_attention_ref(*args, window=window, softcap=1.5)
     _assert_close(out, expected, dtype)
     # The cap really bites (else the case would pass without it).

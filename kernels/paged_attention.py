@@ -47,15 +47,17 @@ MAX_SPLITS = 64  # bounds the grid and the partials: very long contexts get long
 PROGRAMS_PER_SM = 4  # aim for this many programs per SM before cutting splits below the cap
 INTERPRETER_BLOCK_N = 32  # two 16-token blocks per key tile, so tests cross block boundaries
 
-# Decode is memory-bound: what matters is bytes in flight (tile size x pipeline depth) per SM,
-# against the shared memory each stage costs (2 * BLOCK_N * HEAD_DIM elements).
+# Decode is memory-bound: what matters is bytes in flight per SM (tile size x buffers ahead x
+# programs per SM). A stage is a shared-memory buffer of 2 * BLOCK_N * HEAD_DIM elements; with
+# num_stages >= 3 the loop keeps num_stages - 2 tiles loading while it computes one. At
+# HEAD_DIM 128 in bf16 these fit 2-8 programs per SM (ptxas: 56-96 registers a thread).
 _DECODE_CONFIGS = [
+    triton.Config({"BLOCK_N": 16}, num_warps=4, num_stages=4),
     triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=3),
     triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=4),
-    triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=2),
     triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_N": 64}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=4),
-    triton.Config({"BLOCK_N": 128}, num_warps=8, num_stages=2),
 ]
 
 

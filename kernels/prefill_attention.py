@@ -100,16 +100,19 @@ def _attend_keys(
     """Online softmax over keys [lo, hi); MASKED applies the causal, length and (with
     HAS_WINDOW) window masks; SOFTCAP > 0 caps the scores first."""
     offs_d = tl.arange(0, HEAD_DIM)
+    # Block ids run one tile ahead of the K/V loads (as in the decode kernel): addresses that
+    # hang on a load of the same iteration keep Triton's pipeliner to a single buffer.
+    offs_n = lo + tl.arange(0, BLOCK_N)
+    block = tl.load(table + offs_n // PAGE_SIZE, mask=offs_n < hi, other=0).to(tl.int64)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
+        slot = block * stride_cb + (offs_n % PAGE_SIZE) * stride_ct
+        next_n = offs_n + BLOCK_N
+        block = tl.load(table + next_n // PAGE_SIZE, mask=next_n < hi, other=0).to(tl.int64)
         if MASKED:
             n_mask = offs_n < seq_len
-            block = tl.load(table + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-            slot = block * stride_cb + (offs_n % PAGE_SIZE) * stride_ct
             k = tl.load(k_base + slot[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
         else:
-            block = tl.load(table + offs_n // PAGE_SIZE).to(tl.int64)
-            slot = block * stride_cb + (offs_n % PAGE_SIZE) * stride_ct
             k = tl.load(k_base + slot[:, None] + offs_d[None, :])
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         if SOFTCAP > 0:

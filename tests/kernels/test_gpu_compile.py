@@ -18,6 +18,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = r"""
+import re
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -50,18 +52,43 @@ def build(kernel, dtype, num_warps=4, num_stages=3, pointers=None, **consts):
             attrs[(i,)] = [["tt.divisibility", 16]]  # as a real launch specializes them
     src = ASTSource(fn, signature, constexprs=consts, attrs=attrs)
     options = dict(num_warps=num_warps, num_stages=num_stages)
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     print("compiled", fn.__name__, dtype, flush=True)
+    return compiled.asm["ttgir"]
 
 
-decode = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, DOT_PRECISION=None)
+# K/V shared-memory buffers (the leading dim of the 3-D bf16 memdescs) and the largest number
+# of copy groups an async_wait leaves in flight.
+def pipelining(ttgir):
+    buffers = {int(n) for n in re.findall(r"memdesc<(\d+)x\d+x\d+xbf16", ttgir)}
+    waits = [int(n) for n in re.findall(r"async_wait[^{\n]*\{num = (\d+)", ttgir)]
+    return max(buffers, default=0), max(waits, default=0)
+
+
+# Every autotune config of both attention kernels, as the autotuner would launch them (the
+# prefill pruning: 8 warps for 128-row tiles, 4 for 32-row ones).
+decode = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, PAGE_SIZE=16, DOT_PRECISION=None)
+for config in paged_attention._DECODE_CONFIGS:
+    ttgir = build(paged_attention._paged_decode_kernel, "bf16", config.num_warps,
+                  config.num_stages, SINGLE_SPLIT=False, HAS_WINDOW=False, SOFTCAP=0.0,
+                  **decode, **config.kwargs)
+    print("decode pipeline", config.num_stages, *pipelining(ttgir), flush=True)
+prefill = dict(GROUP=4, GROUP_PAD=4, HEAD_DIM=128, PAGE_SIZE=16, DOT_PRECISION=None)
+for config in prefill_attention._PREFILL_CONFIGS:
+    rows = 128 if config.num_warps == 8 else 32
+    ttgir = build(prefill_attention._paged_prefill_kernel, "bf16", config.num_warps,
+                  config.num_stages, BLOCK_M=rows, BLOCK_Q=rows // 4, HAS_WINDOW=False,
+                  SOFTCAP=0.0, **prefill, **config.kwargs)
+    print("prefill pipeline", config.num_stages, *pipelining(ttgir), flush=True)
+
+decode = dict(decode, BLOCK_N=64)
 # SOFTCAP 0 is off; Gemma 2's attention cap is 50.
 for splits, window, softcap in ((1, False, 0.0), (4, False, 0.0), (1, True, 0.0),
                                 (4, True, 0.0), (1, False, 50.0), (4, True, 50.0)):
     build(paged_attention._paged_decode_kernel, "bf16", SINGLE_SPLIT=splits == 1,
           HAS_WINDOW=window, SOFTCAP=softcap, **decode)
 build(paged_attention._combine_splits_kernel, "bf16", SPLITS_PAD=8, HEAD_DIM=128)
-prefill = dict(GROUP=4, GROUP_PAD=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, DOT_PRECISION=None)
+prefill = dict(prefill, BLOCK_N=64)
 for window in (False, True):
     build(prefill_attention._paged_prefill_kernel, "bf16", 8, BLOCK_M=128, BLOCK_Q=32,
           HAS_WINDOW=window, SOFTCAP=0.0, **prefill)
@@ -101,4 +128,13 @@ def test_kernels_compile_for_sm90():
         timeout=240,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    assert result.stdout.count("compiled") == 23, result.stdout
+    assert result.stdout.count("compiled") == 23 + 6 + 12, result.stdout
+    pipelines = [line.split() for line in result.stdout.splitlines() if "pipeline" in line]
+    assert len(pipelines) == 6 + 12
+    for kernel, _, stages, buffers, in_flight in pipelines:
+        if int(stages) >= 3:
+            # Multi-buffered: tile i + 1 (and i + 2 at 4 stages) loads while tile i computes,
+            # so the wait at the top of the loop leaves those copies in flight. (Hopper's
+            # asynchronous wgmma, on 128-row prefill tiles, holds one buffer more.)
+            assert int(buffers) >= int(stages) - 1, (kernel, stages, buffers)
+            assert int(in_flight) > 0, (kernel, stages, in_flight)

@@ -3,13 +3,17 @@
 Order of operations (vLLM v1's): the structured-output mask of constrained rows
 (gpu_worker.sampling.structured), allowed_token_ids and bad_words
 (gpu_worker.sampling.token_filters), logit_bias, min_tokens masking, penalties
-(repetition, then frequency, then presence); greedy rows take the argmax here. Sampled rows then go
-through temperature, min-p, top-k, top-p and an exponential race: argmax(probs / q) with
-q ~ Exp(1), which draws from `probs` exactly. Seeded rows draw q from their own generator,
-so their tokens depend only on their own seed and logits, not on the batch around them.
+(repetition, then frequency, then presence, from persistent per-request rows:
+gpu_worker.sampling.penalties); greedy rows take the argmax here. Sampled rows then go
+through temperature, min-p, top-k and top-p, on a bounded candidate set
+(gpu_worker.sampling.top_k_top_p), and one inverse-CDF draw per row, all rows in one call
+(gpu_worker.sampling.draw): a seeded row's uniform hashes its seed and its token count, so
+its tokens depend only on its own seed and logits, not on the batch around them.
 
 Every per-row decision is made in Python from the params, never by reading a device
-tensor, so the only host<->device sync is the final `.tolist()` of the sampled ids.
+tensor, so the only host<->device sync is the final `.tolist()` of the sampled ids, and,
+on steps with top-p rows that have no top-k, one read of which of them need more than
+their candidates.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ from typing import Protocol
 
 import torch
 
+from gpu_worker.sampling.draw import draw, uniforms
 from gpu_worker.sampling.penalties import PenaltyRows, has_penalty
 from gpu_worker.sampling.state import SamplerState
 from gpu_worker.sampling.structured import GrammarMasker, RequestMatcher
 from gpu_worker.sampling.token_filters import TokenFilters, new_token_filter
+from gpu_worker.sampling.top_k_top_p import apply_top_p_full, needs_truncation, top_k_top_p
 from gpu_worker.sampling.upload import upload
 from shared.sampling import SamplingParams
 
@@ -50,13 +56,9 @@ class SamplingRequest(Protocol):
 def new_sampler_state(
     params: SamplingParams, device: torch.device, matcher: RequestMatcher | None = None
 ) -> SamplerState:
-    """A request's state, its generator seeded from params.seed on `device`."""
-    generator = None
-    if params.seed is not None:
-        generator = torch.Generator(device=device)
-        generator.manual_seed(params.seed)
+    """A request's state. Nothing in it lives on `device` any more (seeded draws hash the
+    seed, penalty rows belong to the sampler); the argument stays for its callers."""
     return SamplerState(
-        generator=generator,
         matcher=matcher,
         token_filter=new_token_filter(params),
         prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
@@ -134,19 +136,22 @@ class Sampler:
         if penalized:
             self.penalties.apply(x, penalized, [states[row] for row in penalized])
 
-        is_greedy = [p.is_greedy for p in params]
-        if all(is_greedy):
+        sampled = [row for row, p in enumerate(params) if not p.is_greedy]
+        if not sampled:
             token_ids = _argmax_rows(x)
-        else:
+        elif len(sampled) == len(params):
             token_ids = self._sample_random(x, states)
-            if any(is_greedy):
-                greedy = self._upload(is_greedy, torch.bool)
-                token_ids = torch.where(greedy, _argmax_rows(x), token_ids)
+        else:
+            # Greedy rows pick from the processed logits before the sampled rows scale theirs.
+            token_ids = _argmax_rows(x)
+            index = self._upload(sampled, torch.long)
+            picks = self._sample_random(x.index_select(0, index), [states[r] for r in sampled])
+            token_ids.index_copy_(0, index, picks)
 
         out = SamplerOutput(token_ids=[], num_top=num_top)
         if wants_logprobs:
             self._fill_logprobs(out, logits, token_ids, max(num_top))
-        # The one host<->device sync of the step.
+        # The step's host<->device sync (see the module's docstring).
         out.token_ids = token_ids.tolist()
         return out
 
@@ -177,55 +182,54 @@ class Sampler:
             x.index_put_(index, self._upload(vals, torch.float32), accumulate=True)
 
     def _sample_random(self, x: torch.Tensor, states: list[SamplingRequest]) -> torch.Tensor:
-        """Temperature, min-p, top-k, top-p, then one exponential-race draw per row."""
+        """Temperature, min-p, top-k and top-p on `x` ([m, vocab], every row sampled, in
+        place), then one draw per row: over its candidates for a truncated row, over the
+        vocabulary otherwise."""
         params = [s.sampling for s in states]
-        # Greedy rows get temperature 1 to stay finite; the caller overrides their pick.
-        temps = [p.temperature if not p.is_greedy else 1.0 for p in params]
-        x = x / self._upload(temps, torch.float32)[:, None]
-
+        x.div_(self._upload([p.temperature for p in params], torch.float32)[:, None])
         min_p = [p.min_p for p in params]
         if any(m > 0.0 for m in min_p):
-            probs = torch.softmax(x, dim=-1)
-            # The top token always passes (p_max >= min_p * p_max); min_p = 0 drops nothing.
-            floor = self._upload(min_p, torch.float32)[:, None] * probs.amax(-1, keepdim=True)
-            x.masked_fill_(probs < floor, float("-inf"))
+            # p < min_p x p_max, in logits: x < x_max + log(min_p) (min_p = 0: -inf, none).
+            floor = x.amax(dim=-1) + self._upload(min_p, torch.float32).log()
+            x.masked_fill_(x < floor[:, None], -torch.inf)
+        u = uniforms(
+            [p.seed for p in params], [len(s.output_token_ids) for s in states], self.device
+        )
 
-        top_k = [p.top_k if 0 < p.top_k < self.vocab_size else 0 for p in params]
-        if any(top_k):
-            values = torch.topk(x, max(top_k), dim=-1).values
-            k_index = self._upload([max(k, 1) - 1 for k in top_k], torch.long)[:, None]
-            kth = values.gather(1, k_index)
-            # Disabled rows get a -inf threshold so nothing of theirs is dropped.
-            disabled = self._upload([k == 0 for k in top_k], torch.bool)[:, None]
-            kth.masked_fill_(disabled, float("-inf"))
-            x.masked_fill_(x < kth, float("-inf"))
+        cut = [r for r, p in enumerate(params) if needs_truncation(p.top_k, p.top_p, x.shape[1])]
+        if not cut:
+            return draw(x, u)
+        candidates = top_k_top_p(
+            self._rows(x, cut), [params[r].top_k for r in cut], [params[r].top_p for r in cut]
+        )
+        overflow = [cut[i] for i in candidates.overflow]
+        if overflow:
+            # Their nucleus runs past the candidates: the full sort on these rows only; they
+            # draw over the vocabulary with the untruncated rows.
+            wide = self._rows(x, overflow)
+            apply_top_p_full(wide, [params[r].top_p for r in overflow])
+            if wide is not x:
+                x.index_copy_(0, self._upload(overflow, torch.long), wide)
+        inside = [i for i, r in enumerate(cut) if r not in overflow]
+        on_candidates = [cut[i] for i in inside]
+        full = sorted(set(range(len(states))) - set(on_candidates))
 
-        top_p = [p.top_p for p in params]
-        if any(p < 1.0 for p in top_p):
-            sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
-            sorted_probs = torch.softmax(sorted_x, dim=-1)
-            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            # The first token has mass_before 0 < top_p, so it always survives; rows with
-            # top_p = 1 are excluded outright, since fp32 cumsum may round past 1.0.
-            drop_sorted = mass_before >= self._upload(top_p, torch.float32)[:, None]
-            drop_sorted &= self._upload([p < 1.0 for p in top_p], torch.bool)[:, None]
-            drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
-            x.masked_fill_(drop, float("-inf"))
+        token_ids = torch.empty(len(states), dtype=torch.long, device=x.device)
+        if inside:
+            logits = self._rows(candidates.logits, inside)
+            picks = draw(logits, self._rows(u, on_candidates))
+            chosen = self._rows(candidates.token_ids, inside).gather(1, picks[:, None])
+            token_ids[self._upload(on_candidates, torch.long)] = chosen.squeeze(1)
+        if full:
+            picks = draw(self._rows(x, full), self._rows(u, full))
+            token_ids[self._upload(full, torch.long)] = picks
+        return token_ids
 
-        probs = torch.softmax(x, dim=-1)
-        # Ones, not empty: rows that draw nothing (greedy) must not hold NaN garbage.
-        q = torch.ones_like(probs)
-        generators = [s.sampler_state.generator for s in states]
-        if any(g is None and not p.is_greedy for g, p in zip(generators, params, strict=True)):
-            _exponential_(q)
-        for row, (generator, p) in enumerate(zip(generators, params, strict=True)):
-            if generator is not None and not p.is_greedy:
-                # Drawn on its own tensor, the same shape every step, so the values depend
-                # only on the generator's state, never on the row index or batch size.
-                q[row] = _exponential_(torch.empty(x.shape[1], device=x.device), generator)
-        # q == 0 would turn a masked token's 0 / 0 into NaN, which argmax picks.
-        q.clamp_min_(torch.finfo(torch.float32).tiny)
-        return _argmax_rows(probs / q)
+    def _rows(self, t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """`t[rows]`, or `t` itself when `rows` is every row in order."""
+        if rows == list(range(t.shape[0])):
+            return t
+        return t.index_select(0, self._upload(rows, torch.long))
 
     def _fill_logprobs(
         self, out: SamplerOutput, logits: torch.Tensor, token_ids: torch.Tensor, k: int
@@ -236,15 +240,6 @@ class Sampler:
         out.ranks = (raw > chosen).sum(dim=-1) + 1
         top = torch.topk(raw, k, dim=-1)
         out.top_ids, out.top_logprobs = top.indices, top.values
-
-
-def _exponential_(t: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Fill `t` with Exp(1) draws in place, by inverting the CDF: -log(1 - U).
-
-    The same distribution as `Tensor.exponential_`, which costs several times as much on
-    CPU, a noticeable share of a batch-32 decode step when every row samples
-    (bench/RESULTS.md, Design choices)."""
-    return t.uniform_(generator=generator).neg_().log1p_().neg_()
 
 
 def _argmax_rows(x: torch.Tensor) -> torch.Tensor:

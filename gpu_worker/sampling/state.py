@@ -1,7 +1,7 @@
 """The sampler's own per-request state, held by the engine's `Sequence`.
 
-Torch-free to import (the tensor types are annotations only), so that the sequence can
-carry it while the scheduler and the KV manager still load without torch.
+Torch-free to import, so that the sequence can carry it while the scheduler and the KV
+manager still load without torch.
 """
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    import torch
-
     from gpu_worker.sampling.structured import RequestMatcher
     from gpu_worker.sampling.token_filters import TokenFilter
     from shared.protocol import TokenLogprobs
@@ -22,8 +20,6 @@ class SamplerState:
     """What the sampler keeps for one request across steps. The request's params and
     tokens are not here: the sampler reads them from the sequence, their one owner."""
 
-    generator: torch.Generator | None = None
-    """Made once from params.seed on the sampling device; None for unseeded requests."""
     matcher: RequestMatcher | None = field(default=None, repr=False)
     """The structured-output matcher of a constrained request; None for free ones."""
     token_filter: TokenFilter | None = field(default=None, repr=False)

@@ -1,0 +1,59 @@
+"""One random draw per row: inverse-CDF sampling from a uniform per row.
+
+A row's token is the first whose cumulative weight passes u x total, the weights exp(logit
+- max) summed in fp64 (exact enough that no token's odds shift, and a weight of 0, a token
+cut by any filter, is never picked). A row needs one uniform, not one per vocabulary entry
+as a race of exponentials does, so every row of the batch draws in one call:
+- unseeded rows take theirs from torch's generator on the device;
+- a seeded row's is a counter-based hash of (seed, number of tokens it has generated),
+  computed on the host. It depends on nothing else, so the request's tokens are the same
+  whatever shares its batch, and a preempted request that recomputes draws the same again.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpu_worker.sampling.upload import upload
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finalizer: a bijection of 64-bit ints whose every output bit depends
+    on every input bit."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """A uniform in [0, 1) for draw number `position` of the request seeded with `seed`."""
+    key = _mix64((_mix64(seed & _MASK64) + position * 0x9E3779B97F4A7C15) & _MASK64)
+    return (key >> 11) * 2.0**-53
+
+
+def uniforms(seeds: list[int | None], positions: list[int], device: torch.device) -> torch.Tensor:
+    """[m] fp64 uniforms: `seeded_uniform(seed, position)` for seeded rows, torch's
+    generator for the others."""
+    seeded = [(row, seed) for row, seed in enumerate(seeds) if seed is not None]
+    values = [seeded_uniform(seed, positions[row]) for row, seed in seeded]
+    if len(seeded) == len(seeds):
+        return upload(values, torch.float64, device)
+    u = torch.rand(len(seeds), dtype=torch.float64, device=device)
+    if seeded:
+        rows = upload([row for row, _ in seeded], torch.long, device)
+        u.index_copy_(0, rows, upload(values, torch.float64, device))
+    return u
+
+
+def draw(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[m] index into each row of `logits` ([m, width], -inf for tokens that may not be
+    drawn, at least one finite per row), drawn with probability softmax(row) by `u`."""
+    weights = (logits - logits.amax(dim=-1, keepdim=True)).exp_()
+    cdf = weights.cumsum(dim=-1, dtype=torch.float64)
+    total = cdf[:, -1:]
+    # u < 1, but u x total may round up to total; then no entry would pass it, so the
+    # target stays strictly below the last one that adds weight.
+    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)

@@ -26,6 +26,14 @@ from gpu_worker.attention.metadata import (  # noqa: E402
 
 ON_CUDA = torch.cuda.is_available()
 
+interpreter_only = pytest.mark.skipif(
+    ON_CUDA,
+    reason="runs CPU tensors through Triton's interpreter; on a GPU the CUDA-tensor tests "
+    "of the same kernels (and the engine on CUDA) cover it",
+)
+"""For a test whose subject is the CPU path itself (an engine on device="cpu" with the
+Triton backend): on a CUDA host Triton compiles for the GPU and refuses CPU tensors."""
+
 # (atol, rtol) per dtype. Attention is against an fp32 reference; fp16/bf16 lose precision
 # where p is rounded for the second product and where the output is rounded.
 ATTENTION_TOL = {

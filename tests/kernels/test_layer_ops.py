@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gpu_worker.ops.layer_ops import TorchLayerOps, TritonLayerOps, get_layer_ops
-from tests.kernels.conftest import ELEMENTWISE_TOL, random_tensor
+from tests.kernels.conftest import ELEMENTWISE_TOL, interpreter_only, random_tensor
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 96, 6, 2, 16
 
@@ -62,6 +62,7 @@ def test_ops_follow_the_attention_backend() -> None:
     assert isinstance(get_layer_ops("torch"), TorchLayerOps)
 
 
+@interpreter_only
 def test_engine_on_triton_backend_and_ops_equals_torch(tiny_model_dir) -> None:
     """The whole model, prefill and decode steps, on Triton attention + Triton layer ops
     gives the torch path's greedy tokens and first-step logits."""

@@ -3,15 +3,21 @@
 Layout, one tensor per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]` (index 0
 = keys, 1 = values). Cache slot `s` is block `s // block_size`, offset `s % block_size`.
 The block ids themselves are handed out by `gpu_worker.core.kv_cache`, which never
-touches these tensors.
+touches these tensors. The size is `gpu_worker.runner.kv_budget`'s arithmetic over what
+`gpu_worker.runner.profiling` measured on CUDA.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from gpu_worker.core.config import EngineConfig
 from gpu_worker.models.config import ModelConfig
+from gpu_worker.runner.kv_budget import KVCacheBudget, MemoryUse, plan_kv_cache
+
+logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_CACHE_GB = 1.0
 """The cache on CPU when `kv_cache_memory_gb` is not given (no free-memory probe there)."""
@@ -25,27 +31,10 @@ def kv_cache_bytes_per_block(
     return 2 * num_layers * block_size * num_kv_heads * head_dim * element
 
 
-def num_kv_blocks(
-    device: torch.device,
-    bytes_per_block: int,
-    *,
-    kv_cache_memory_gb: float | None,
-    gpu_memory_utilization: float,
-) -> int:
-    """How many KV blocks fit: an explicit budget, or on CUDA the free memory after the
-    weights, kept under `gpu_memory_utilization` of the total."""
-    if kv_cache_memory_gb is not None:
-        return max(1, int(kv_cache_memory_gb * (1 << 30)) // bytes_per_block)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        budget = int(total * gpu_memory_utilization) - used
-        # Leave room for activations of the largest batch.
-        budget -= 1 << 30
-        if budget <= 0:
-            raise RuntimeError("no GPU memory left for the KV cache; lower the model size")
-        return max(1, budget // bytes_per_block)
-    return max(1, (4 << 30) // bytes_per_block)
+def model_kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """`kv_cache_bytes_per_block` of this model."""
+    mc = model_config
+    return kv_cache_bytes_per_block(mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, dtype)
 
 
 def allocate_kv_caches(
@@ -62,24 +51,46 @@ def allocate_kv_caches(
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
 
-def create_kv_caches(
-    model_config: ModelConfig, config: EngineConfig, device: torch.device, dtype: torch.dtype
-) -> list[torch.Tensor]:
-    """Size the cache for this model on this device (after its weights are loaded, so that
-    CUDA's free memory already excludes them) and allocate it."""
-    mc = model_config
+def size_kv_cache(
+    model_config: ModelConfig,
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    memory: MemoryUse | None,
+) -> KVCacheBudget:
+    """The cache's size: `config.kv_cache_memory_gb`, else on CPU the fixed default, else
+    what the profiled `memory` leaves under `gpu_memory_utilization`; logged line by line."""
     kv_gb = config.kv_cache_memory_gb
     if kv_gb is None and device.type != "cuda":
         kv_gb = CPU_DEFAULT_KV_CACHE_GB
-    per_block = kv_cache_bytes_per_block(
-        mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, dtype
-    )
-    num_blocks = num_kv_blocks(
-        device,
-        per_block,
+    budget = plan_kv_cache(
+        model_kv_bytes_per_block(model_config, config.block_size, dtype),
         kv_cache_memory_gb=kv_gb,
         gpu_memory_utilization=config.gpu_memory_utilization,
+        memory=memory,
     )
+    for line in budget.lines():
+        logger.info("%s", line)
+    return budget
+
+
+def create_kv_caches(
+    model_config: ModelConfig,
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    memory: MemoryUse | None = None,
+) -> list[torch.Tensor]:
+    """Size the cache for this model on this device (`size_kv_cache`; on CUDA without an
+    explicit size, `memory` is the profile's readings) and allocate it."""
+    mc = model_config
+    budget = size_kv_cache(mc, config, device, dtype, memory)
     return allocate_kv_caches(
-        mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, dtype, device
+        mc.num_layers,
+        budget.num_blocks,
+        config.block_size,
+        mc.num_kv_heads,
+        mc.head_dim,
+        dtype,
+        device,
     )

@@ -1,0 +1,75 @@
+"""The sampling half of the profiling run (`gpu_worker.runner.profiling`): after each dummy
+forward, the costliest work a real step can do with its hidden states and logits, so that
+its memory is in the measured peak. It lives with the engine because the runner sits below
+the sampler.
+
+Every dummy request asks for every option that allocates: repetition, frequency and
+presence penalties (per-row vocabulary counts and prompt masks), min-p and a top-p the
+candidate set cannot satisfy (the full-vocabulary sort), the most logprobs, and a seed on
+every other row (seeded draws); the step also scores a full slice of prompt logprobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from gpu_worker.core.sequence import Sequence
+from gpu_worker.runner.profiling import PostForward
+from gpu_worker.sampling.prompt_logprobs import SLICE_ROWS, score_prompt_rows
+from gpu_worker.sampling.sampler import Sampler, SamplingRequest, new_sampler_state
+from shared.sampling import MAX_LOGPROBS, SamplingParams
+
+
+def costliest_params(row: int) -> SamplingParams:
+    """The sampling options of dummy row `row` (seeded on odd rows)."""
+    return SamplingParams(
+        temperature=0.8,
+        top_p=0.999,
+        min_p=0.001,
+        repetition_penalty=1.1,
+        frequency_penalty=0.5,
+        presence_penalty=0.5,
+        logprobs=MAX_LOGPROBS,
+        seed=row if row % 2 else None,
+    )
+
+
+def profile_sampling(
+    sampler: Sampler,
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    vocab_size: int,
+    block_size: int,
+) -> PostForward:
+    """The `PostForward` of the profiling run: prompt logprobs over a slice of the step's
+    rows, then `sampler` over the sampling rows with `costliest_params`; the dummy requests'
+    rows are released after."""
+
+    def run(logits: torch.Tensor, hidden: torch.Tensor) -> None:
+        rows = min(hidden.shape[0], SLICE_ROWS)
+        score_prompt_rows(
+            hidden[:rows], [0] * rows, [MAX_LOGPROBS] * rows, compute_logits, vocab_size
+        )
+        requests: list[SamplingRequest] = [
+            _request(row, vocab_size, block_size, sampler.device) for row in range(len(logits))
+        ]
+        sampler.sample(logits, requests)
+        sampler.release([seq.request_id for seq in requests])
+
+    return run
+
+
+def _request(row: int, vocab_size: int, block_size: int, device: torch.device) -> Sequence:
+    params = costliest_params(row)
+    seq = Sequence(
+        request_id=f"profile-{row}",
+        prompt_token_ids=[row % vocab_size],
+        sampling=params,
+        block_size=block_size,
+        sampler_state=new_sampler_state(params, device),
+    )
+    # Output tokens, so the penalties count something.
+    for token in (row + 1, row + 2):
+        seq.append_token(token % vocab_size)
+    return seq

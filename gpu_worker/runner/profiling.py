@@ -46,6 +46,9 @@ AUTOTUNE_WORKSPACE_BYTES = 256 << 20
 backend tunes after the KV cache is allocated (`AttentionBackend.tune`)."""
 GRAPH_SEGMENT_BYTES = 2 << 20
 """The allocator's smallest segment: each captured graph may hold one of its own."""
+GRAPH_ROW_BYTES = 128
+"""The graph runner's static inputs per batch row besides its block table: four int64 and
+two int32 values and four block-table writes of 12 bytes (`cuda_graphs.py`), rounded up."""
 
 
 class MemoryProbe(Protocol):
@@ -217,8 +220,9 @@ def graph_pool_estimate(
     element = torch.empty((), dtype=dtype).element_size()
     outputs = sum(buckets[:-1]) * hidden_size * element
     n, width = buckets[-1], -(-shapes.max_model_len // shapes.block_size)
-    # Block tables int32; ids, positions, slots int64; lengths int32 (two); query starts.
-    static = n * width * 4 + n * (3 * 8 + 2 * 4) + (n + 1) * 4
+    # The int32 block tables, and under GRAPH_ROW_BYTES a row of staged inputs (ids,
+    # positions, slots, rows, lengths, block-table writes).
+    static = n * width * 4 + n * GRAPH_ROW_BYTES
     return forward_peak + outputs + len(buckets) * GRAPH_SEGMENT_BYTES + static
 
 

@@ -1,19 +1,22 @@
 """Repetition, frequency and presence penalties from persistent per-request rows.
 
 Each live request that uses a penalty holds one row of two tensors the sampler keeps from
-step to step: its output-token counts and its prompt's token mask. A row is taken on the
-request's first sampled step (the prompt and any output so far are scattered in once);
-after that a step only scatters the tokens appended since the last one, usually one per
-row, instead of rebuilding a dense [n, vocab] table from every token of every row. A row
-comes back with `release`, when the request leaves the running set (finished, aborted or
-preempted: a preempted request takes a fresh row, rebuilt from its tokens, when it runs
-again).
+step to step: what frequency and presence subtract from each token's logit (frequency x
+its count in the output, plus presence once it is there: the request's constants times
+its output-token counts), and which tokens its prompt or output holds (the repetition
+penalty's mask). A row is taken on the request's first sampled step (the prompt and any
+output so far are scattered in once); after that a step only scatters the tokens appended
+since the last one, usually one per row, instead of rebuilding a dense [n, vocab] count
+table from every token of every row. Applying them is then a gather and a subtraction,
+plus four elementwise passes for the rows with a repetition penalty. A row comes back with
+`release`, when the request leaves the running set (finished, aborted or preempted: a
+preempted request takes a fresh row, rebuilt from its tokens, when it runs again).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -51,12 +54,14 @@ def has_penalty(p: SamplingParams) -> bool:
 @dataclass(eq=False)
 class _Row:
     index: int
-    """Its row in `PenaltyRows.counts` and `.prompt_seen`."""
+    """Its row in `PenaltyRows.subtract` and `.seen`."""
     owner: SamplerState
     """The request's state: a new request that reuses a finished one's id gets a fresh row
     even when the old one was never released."""
     num_counted: int = 0
-    """Output tokens already in the counts; the next step adds the ones after them."""
+    """Output tokens already in the row; the next step adds the ones after them."""
+    in_output: set[int] = field(default_factory=set)
+    """The distinct output tokens so far (host side): presence applies on the first."""
 
 
 class PenaltyRows:
@@ -65,10 +70,11 @@ class PenaltyRows:
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
-        self.counts = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
-        """[capacity, vocab] fp32: how often each token is in the row's output."""
-        self.prompt_seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
-        """[capacity, vocab] bool: the tokens of the row's prompt."""
+        self.subtract = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
+        """[capacity, vocab] fp32: frequency_penalty x count + presence_penalty x (count >
+        0), the counts those of the row's output tokens."""
+        self.seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        """[capacity, vocab] bool: the tokens of the row's prompt and output."""
         self._rows: dict[str, _Row] = {}
         self._free: list[int] = []
 
@@ -91,77 +97,71 @@ class PenaltyRows:
         """Penalize `x[batch_rows[i]]` ([n, vocab] logits, in place) for `requests[i]`:
         repetition (HF: prompt and output), then frequency and presence (OpenAI: output)."""
         index = upload(self._sync(requests), torch.long, self.device)
-        counts = self.counts.index_select(0, index)
         whole = len(batch_rows) == x.shape[0]  # then batch_rows is every row, in order
         rows = None if whole else upload(list(batch_rows), torch.long, self.device)
         xs = x if rows is None else x.index_select(0, rows)
-        in_output = counts > 0
 
-        params = [r.sampling for r in requests]
-        rep = [p.repetition_penalty for p in params]
+        rep = [r.sampling.repetition_penalty for r in requests]
         if any(r != 1.0 for r in rep):
-            seen = self.prompt_seen.index_select(0, index) | in_output
+            # x / r where x > 0, x * r elsewhere, on seen tokens only: one scale per element.
             penalty = upload(rep, torch.float32, self.device)[:, None]
-            penalized = torch.where(xs > 0, xs / penalty, xs * penalty)
-            xs = torch.where(seen, penalized, xs)
-        freq = [p.frequency_penalty for p in params]
-        presence = [p.presence_penalty for p in params]
-        if any(freq) or any(presence):
-            f = upload(freq, torch.float32, self.device)[:, None]
-            p = upload(presence, torch.float32, self.device)[:, None]
-            xs = xs - (f * counts + p * in_output)
-        if rows is None:
-            if xs is not x:
-                x.copy_(xs)
-        else:
+            scale = torch.where(xs > 0, penalty.reciprocal(), penalty)
+            xs.mul_(torch.where(self.seen.index_select(0, index), scale, 1.0))
+        if any(r.sampling.frequency_penalty or r.sampling.presence_penalty for r in requests):
+            xs.sub_(self.subtract.index_select(0, index))
+        if rows is not None:
             x.index_copy_(0, rows, xs)
 
     def _sync(self, requests: Sequence[PenalizedRequest]) -> list[int]:
         """Each request's row, taken if it has none, with the tokens it gained since the
-        last step counted; one scatter for the whole batch."""
+        last step added; one scatter per tensor for the whole batch."""
         fresh: list[int] = []
-        prompt_rows: list[int] = []
-        prompt_cols: list[int] = []
-        count_rows: list[int] = []
-        count_cols: list[int] = []
+        seen_rows: list[int] = []
+        seen_cols: list[int] = []
+        sub_rows: list[int] = []
+        sub_cols: list[int] = []
+        sub_vals: list[float] = []
         indices: list[int] = []
         for request in requests:
             row = self._rows.get(request.request_id)
             if row is None or row.owner is not request.sampler_state:
-                if row is None:
-                    row = _Row(self._take(), request.sampler_state)
-                    self._rows[request.request_id] = row
-                else:
-                    row.owner, row.num_counted = request.sampler_state, 0
+                row = _Row(self._take() if row is None else row.index, request.sampler_state)
+                self._rows[request.request_id] = row
                 fresh.append(row.index)
                 # Validated by the engine; the filter keeps a stray id from indexing past a row.
                 prompt = {t for t in request.prompt_token_ids if 0 <= t < self.vocab_size}
-                prompt_rows.extend([row.index] * len(prompt))
-                prompt_cols.extend(prompt)
-            output = request.output_token_ids
-            new = output[row.num_counted :]
-            count_rows.extend([row.index] * len(new))
-            count_cols.extend(new)
-            row.num_counted = len(output)
+                seen_rows.extend([row.index] * len(prompt))
+                seen_cols.extend(prompt)
+            new = request.output_token_ids[row.num_counted :]
+            row.num_counted += len(new)
             indices.append(row.index)
+            if not new:
+                continue
+            frequency = request.sampling.frequency_penalty
+            presence = request.sampling.presence_penalty
+            for token in new:
+                # Repeats within `new` are separate entries: index_put_ accumulates them.
+                sub_vals.append(frequency + (presence if token not in row.in_output else 0.0))
+                row.in_output.add(token)
+            sub_rows.extend([row.index] * len(new))
+            sub_cols.extend(new)
+            seen_rows.extend([row.index] * len(new))
+            seen_cols.extend(new)
         if fresh:
             reset = upload(fresh, torch.long, self.device)
-            self.counts.index_fill_(0, reset, 0.0)
-            self.prompt_seen.index_fill_(0, reset, False)
-        if prompt_rows:
-            at = (
-                upload(prompt_rows, torch.long, self.device),
-                upload(prompt_cols, torch.long, self.device),
-            )
-            self.prompt_seen[at] = True
-        if count_rows:
-            at = (
-                upload(count_rows, torch.long, self.device),
-                upload(count_cols, torch.long, self.device),
-            )
-            ones = torch.ones(len(count_rows), dtype=torch.float32, device=self.device)
-            self.counts.index_put_(at, ones, accumulate=True)
+            self.subtract.index_fill_(0, reset, 0.0)
+            self.seen.index_fill_(0, reset, False)
+        if seen_rows:
+            at = (self._upload(seen_rows), self._upload(seen_cols))
+            self.seen[at] = True
+        if sub_rows:
+            at = (self._upload(sub_rows), self._upload(sub_cols))
+            values = upload(sub_vals, torch.float32, self.device)
+            self.subtract.index_put_(at, values, accumulate=True)
         return indices
+
+    def _upload(self, values: list[int]) -> torch.Tensor:
+        return upload(values, torch.long, self.device)
 
     def _take(self) -> int:
         if not self._free:
@@ -170,12 +170,12 @@ class PenaltyRows:
 
     def _grow(self) -> None:
         """Double the capacity (rows are only ever added, never moved)."""
-        old = self.counts.shape[0]
+        old = self.subtract.shape[0]
         new = max(_INITIAL_ROWS, 2 * old)
-        counts = torch.zeros(new, self.vocab_size, dtype=torch.float32, device=self.device)
+        subtract = torch.zeros(new, self.vocab_size, dtype=torch.float32, device=self.device)
         seen = torch.zeros(new, self.vocab_size, dtype=torch.bool, device=self.device)
-        counts[:old] = self.counts
-        seen[:old] = self.prompt_seen
-        self.counts, self.prompt_seen = counts, seen
+        subtract[:old] = self.subtract
+        seen[:old] = self.seen
+        self.subtract, self.seen = subtract, seen
         # Popped from the end: the lowest new index first.
         self._free.extend(range(new - 1, old - 1, -1))

@@ -87,7 +87,7 @@ def test_persistent_counts_match_the_dense_reference_through_joins_and_leaves() 
         _step(sampler, seqs, rng)
     assert sampler.penalties.num_live == 4
     # Rows come back and are reused: never more than the live requests needed at once.
-    assert sampler.penalties.counts.shape[0] == 8
+    assert sampler.penalties.subtract.shape[0] == 8
 
 
 def test_rows_grow_past_the_first_allocation_and_keep_their_counts() -> None:
@@ -99,7 +99,7 @@ def test_rows_grow_past_the_first_allocation_and_keep_their_counts() -> None:
     seqs += [_seq(f"h{i}", rng, presence_penalty=0.5) for i in range(7)]  # 12 rows > 8
     for _ in range(3):
         _step(sampler, seqs, rng)
-    assert sampler.penalties.counts.shape[0] == 16
+    assert sampler.penalties.subtract.shape[0] == 16
 
 
 def test_a_new_request_under_a_finished_ones_id_starts_fresh() -> None:

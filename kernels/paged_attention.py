@@ -38,6 +38,7 @@ from kernels import (
     check_lengths,
     dot_precision,
     num_sms,
+    tuning_bench,
 )
 
 LOG2E = 1.4426950408889634
@@ -194,9 +195,9 @@ DECODE_TUNE_KEY = [
     "split_size",
     "batch_bucket",
 ]
-_paged_decode_kernel_tuned = triton.autotune(configs=_DECODE_CONFIGS, key=DECODE_TUNE_KEY)(
-    _paged_decode_kernel
-)
+_paged_decode_kernel_tuned = triton.autotune(
+    configs=_DECODE_CONFIGS, key=DECODE_TUNE_KEY, do_bench=tuning_bench
+)(_paged_decode_kernel)
 
 
 @triton.jit(do_not_specialize=["num_splits", "split_size", "window"])

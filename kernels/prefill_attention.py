@@ -28,7 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import check_attention_inputs, check_launchable, check_lengths, dot_precision
+from kernels import (
+    check_attention_inputs,
+    check_launchable,
+    check_lengths,
+    dot_precision,
+    tuning_bench,
+)
 from kernels.paged_attention import LOG2E, check_softcap, check_window, softcap_log2
 
 MAX_BLOCK_M = 128
@@ -262,6 +268,7 @@ _paged_prefill_kernel_tuned = triton.autotune(
     configs=_PREFILL_CONFIGS,
     key=PREFILL_TUNE_KEY,
     prune_configs_by={"early_config_prune": _prune_configs},
+    do_bench=tuning_bench,
 )(_paged_prefill_kernel)
 
 

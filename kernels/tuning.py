@@ -30,10 +30,15 @@ class DecodeShape:
 
 @dataclass(frozen=True)
 class PrefillShape:
-    """A prefill launch: `num_seqs` chunks of `query_len` new tokens each, no cached prefix."""
+    """A prefill launch of `num_tokens` new tokens in chunks of `query_len` (the last one
+    shorter when it does not divide), no cached prefix."""
 
-    num_seqs: int
+    num_tokens: int
     query_len: int
+
+    def query_lens(self) -> list[int]:
+        full, rest = divmod(self.num_tokens, self.query_len)
+        return [self.query_len] * full + ([rest] if rest else [])
 
 
 def powers_of_two(limit: int, start: int = 1) -> list[int]:
@@ -84,5 +89,5 @@ def prefill_tune_shapes(*, max_num_batched_tokens: int, group_pad: int) -> list[
         for query_len in powers_of_two(num_tokens):
             query_len = min(query_len, num_tokens)
             key = (tokens_bucket(num_tokens), choose_block_m(query_len, group_pad))
-            shapes[key] = PrefillShape(num_tokens // query_len, query_len)
+            shapes[key] = PrefillShape(num_tokens, query_len)
     return list(shapes.values())

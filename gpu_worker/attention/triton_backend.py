@@ -41,66 +41,81 @@ class TritonAttentionBackend:
         max_num_batched_tokens: int,
         max_model_len: int,
     ) -> None:
-        """Launch both attention kernels once per autotune key (kernels/tuning.py) and per
-        window/soft-cap variant of the model's layers, on the real cache (read only), so
-        Triton benchmarks and caches every config choice now. Under the interpreter there
-        is no autotuner: nothing to do."""
-        import triton
-
+        """Launch both attention kernels once per autotune key and per window/soft-cap
+        variant of the model's layers (`launch_tuning_shapes`), so Triton benchmarks and
+        caches every config choice now. Under the interpreter, or on CPU tensors, there is
+        no autotuner: nothing to do."""
         from kernels import is_interpreting, num_sms
         from kernels.paged_attention import PROGRAMS_PER_SM
-        from kernels.tuning import decode_tune_shapes, prefill_tune_shapes
 
         if is_interpreting() or kv_cache.device.type != "cuda":
             return
+        began = time.perf_counter()
+        launches = self.launch_tuning_shapes(
+            model_config,
+            kv_cache,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            num_programs_target=PROGRAMS_PER_SM * num_sms(kv_cache.device),
+        )
+        torch.cuda.synchronize(kv_cache.device)
+        logger.info(
+            "attention autotuned: %d launches in %.1f s", launches, time.perf_counter() - began
+        )
+
+    def launch_tuning_shapes(
+        self,
+        model_config: AttentionModelConfig,
+        kv_cache: torch.Tensor,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        num_programs_target: int,
+    ) -> int:
+        """Run the decode and prefill kernels over `kernels.tuning`'s shapes, per variant,
+        on the real cache (read only: rows point at its blocks, nothing is written); returns
+        the number of launches. The kernels' outputs are discarded."""
+        import triton
+
+        from kernels.tuning import decode_tune_shapes, prefill_tune_shapes
+
         _, num_blocks, page_size, num_kv_heads, head_dim = kv_cache.shape
         group = model_config.num_heads // model_config.num_kv_heads
         num_heads = num_kv_heads * group  # this rank's heads under tensor parallelism
-        device, dtype = kv_cache.device, kv_cache.dtype
-        target = PROGRAMS_PER_SM * num_sms(device)
-        began = time.perf_counter()
+        group_pad = triton.next_power_of_2(group)
         launches = 0
         for window, softcap in attention_variants(model_config):
-            decode_shapes = decode_tune_shapes(
+            for d in decode_tune_shapes(
                 max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len,
                 page_size=page_size,
                 num_kv_heads=num_kv_heads,
                 cache_tokens=num_blocks * page_size,
-                num_programs_target=target,
+                num_programs_target=num_programs_target,
                 window=window,
-            )
-            for shape in decode_shapes:
-                # Each row its own blocks where the cache has enough, so rows do not share
-                # what they read through L2 (which would flatter a config).
-                ids = torch.arange(shape.num_seqs * shape.num_blocks, device=device)
-                tables = (ids % num_blocks).view(shape.num_seqs, -1).to(torch.int32)
-                seq_lens = torch.full(
-                    (shape.num_seqs,), shape.seq_len, dtype=torch.int32, device=device
-                )
-                q = torch.randn(shape.num_seqs, num_heads, head_dim, device=device, dtype=dtype)
+            ):
+                tables = _spread_tables(d.num_seqs, d.num_blocks, num_blocks, kv_cache.device)
+                seq_lens = torch.full_like(tables[:, 0], d.seq_len)
+                q = kv_cache.new_empty(d.num_seqs, num_heads, head_dim).normal_()
                 self._decode(q, kv_cache, tables, seq_lens, 1.0, window=window, softcap=softcap)
-            prefill_shapes = prefill_tune_shapes(
-                max_num_batched_tokens=max_num_batched_tokens,
-                group_pad=triton.next_power_of_2(group),
-            )
-            for p in prefill_shapes:
-                blocks = triton.cdiv(p.query_len, page_size)
-                ids = torch.arange(p.num_seqs * blocks, device=device)
-                tables = (ids % num_blocks).view(p.num_seqs, -1).to(torch.int32)
-                lens = torch.full((p.num_seqs,), p.query_len, dtype=torch.int32, device=device)
-                starts = torch.arange(p.num_seqs + 1, dtype=torch.int32, device=device)
-                tokens = p.num_seqs * p.query_len
-                q = torch.randn(tokens, num_heads, head_dim, device=device, dtype=dtype)
+                launches += 1
+            for p in prefill_tune_shapes(
+                max_num_batched_tokens=max_num_batched_tokens, group_pad=group_pad
+            ):
+                query_lens = p.query_lens()
+                width = triton.cdiv(p.query_len, page_size)
+                tables = _spread_tables(len(query_lens), width, num_blocks, kv_cache.device)
+                lens = torch.tensor(query_lens, dtype=torch.int32, device=kv_cache.device)
+                starts = torch.cat((lens.new_zeros(1), lens.cumsum(0, dtype=torch.int32)))
+                q = kv_cache.new_empty(p.num_tokens, num_heads, head_dim).normal_()
                 self._prefill(
-                    q, kv_cache, tables, starts * p.query_len, lens, torch.zeros_like(lens),
-                    p.query_len, 1.0, window=window, softcap=softcap,
+                    q, kv_cache, tables, starts, lens, torch.zeros_like(lens), p.query_len, 1.0,
+                    window=window, softcap=softcap,
                 )  # fmt: skip
-            launches += len(decode_shapes) + len(prefill_shapes)
-        torch.cuda.synchronize(device)
-        logger.info(
-            "attention autotuned: %d shapes in %.1f s", launches, time.perf_counter() - began
-        )
+                launches += 1
+        return launches
 
     def plan(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> None:
         """Nothing to prepare: the kernels read the metadata as it is (and a CUDA graph
@@ -142,3 +157,12 @@ class TritonAttentionBackend:
             window=window,
             softcap=softcap,
         )
+
+
+def _spread_tables(
+    num_rows: int, width: int, num_blocks: int, device: torch.device
+) -> torch.Tensor:
+    """Block tables whose rows read different blocks where the cache has enough, so that
+    rows do not share what they read through L2 (which would flatter a config)."""
+    ids = torch.arange(num_rows * width, device=device) % num_blocks
+    return ids.view(num_rows, width).to(torch.int32)

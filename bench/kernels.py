@@ -1,6 +1,6 @@
 """Triton attention kernels on a GPU, against baselines measured in the same run.
 
-    python bench/kernels.py [--quick] [--skip-kernels] [--engine-prompts N]
+    python bench/kernels.py [--quick] [--skip-kernels] [--engine-prompts N] [--device cpu]
 
 Decode (`kernels.paged_attention.paged_decode_attention`): batch 1, 32, 256 x context 1k, 8k,
 32k; bf16, 32 query heads over 8 KV heads, head_dim 128, block size 16, blocks in random order.
@@ -14,7 +14,10 @@ query-key pairs counted) against SDPA on the same shapes, K/V expanded to all he
 Engine (`--engine-prompts`, default 512): output tok/s of `bench/engine.py`'s workload (chat
 prompts of 100-150 tokens, outputs uniform over 16-256 with ignore_eos, greedy) through
 `Engine(device="cuda")` with SmolLM2 at `--max-num-seqs` 256, with decode CUDA graphs and with
-`enforce_eager=True`, alternating, in this process.
+`enforce_eager=True`, alternating, in this process. Each engine's KV cache is sized
+explicitly (`--kv-cache-gb`): sized from free memory, the first would leave the second none.
+With `--device cpu` (bench/gpu_check.sh's dry run) only this part runs, on the CPU at the
+sizes given, to exercise the code path; CPU numbers go to stdout and $OUT, not RESULTS.md.
 
 Kernels are timed as CUDA-graph replays (`triton.testing.do_bench_cudagraph`), as the engine runs
 decode: CPU launch overhead is left out on both sides. Small decode cases fit in L2 and are
@@ -36,7 +39,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from results_md import write_section
+from results_md import command_line, write_section
 
 # Run as `python bench/kernels.py`: the repository root holds the `kernels` package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -158,9 +161,10 @@ def bench_decode(
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * kv_cache.element_size()
     gbps = kv_bytes / (ms * 1e-3) / 1e9
     max_context = tables.shape[1] * BLOCK_SIZE
-    num_splits = paged_attention.choose_num_splits(
+    split_size = paged_attention.choose_split_size(
         batch, NUM_KV_HEADS, max_context, paged_attention.PROGRAMS_PER_SM * num_sms(device)
     )
+    num_splits = -(-max_context // split_size)
     config = str(getattr(paged_attention._paged_decode_kernel_tuned, "best_config", ""))
 
     # SDPA on the same K/V gathered per sequence: [batch, kv_heads, context, dim] views.
@@ -233,6 +237,7 @@ def bench_prefill(
     keys = keys.repeat_interleave(group, dim=1)
     values = values.repeat_interleave(group, dim=1)
     q_sdpa = q.view(num_seqs, query_len, NUM_HEADS, HEAD_DIM).transpose(1, 2)
+    mask: dict[str, object]
     if prefix_len:
         mask = {"attn_mask": causal_lower_right(query_len, seq_len)}
     else:
@@ -271,6 +276,7 @@ class EngineResult:
     graphs_tok_s: list[float]
     graph_steps: int
     outputs_equal: bool
+    model_file: str
 
     @property
     def ratio(self) -> float:
@@ -278,9 +284,18 @@ class EngineResult:
 
 
 def bench_engine(
-    num_prompts: int, max_num_seqs: int, repeats: int, device: str = "cuda"
+    num_prompts: int,
+    max_num_seqs: int,
+    repeats: int,
+    *,
+    device: str = "cuda",
+    max_output: int = 256,
+    kv_cache_gb: float = 4.0,
 ) -> EngineResult:
-    """Both engines load once; passes alternate eager / graphs so drift hits both alike."""
+    """Both engines load once; passes alternate eager / graphs so drift hits both alike.
+
+    Both are alive at once, so each gets `kv_cache_gb` of KV cache rather than a share of
+    free memory (which the first engine would take nearly all of)."""
     from engine import build_workload
 
     from gpu_worker import Engine
@@ -290,12 +305,18 @@ def bench_engine(
     from shared.sampling import SamplingParams
 
     source = resolve_model(DEFAULT_MODEL)
-    work = build_workload(ChatRenderer(Tokenizer.from_source(source)), num_prompts, 256, seed=0)
+    renderer = ChatRenderer(Tokenizer.from_source(source))
+    work = build_workload(renderer, num_prompts, max_output, seed=0)
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in work.output_lens
     ]
     engines = {
-        eager: Engine(device=device, max_num_seqs=max_num_seqs, enforce_eager=eager)
+        eager: Engine(
+            device=device,
+            max_num_seqs=max_num_seqs,
+            enforce_eager=eager,
+            kv_cache_memory_gb=kv_cache_gb,
+        )
         for eager in (True, False)
     }
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -320,6 +341,7 @@ def bench_engine(
         graphs_tok_s=rates[False],
         graph_steps=engines[False].runner.num_graph_steps,
         outputs_equal=outputs[True] == outputs[False],
+        model_file=str(source.path),
     )
 
 
@@ -335,6 +357,9 @@ def render_engine(result: EngineResult) -> list[str]:
         "",
         f"### Engine: SmolLM2-135M, {result.num_prompts} chat prompts, "
         f"{result.output_tokens:,} output tokens, max-num-seqs {result.max_num_seqs}",
+        "",
+        f"Model file: `{result.model_file}` (bench/gpu_check.sh puts a random-weight stand-in "
+        "at SmolLM2's shapes there: speed, not text, is measured).",
         "",
         "| mode | output tok/s (median) | passes |",
         "|---|---:|---|",
@@ -439,19 +464,21 @@ def run_kernels(args: argparse.Namespace, device: torch.device) -> dict[str, obj
         prefill_cases.insert(2, ("16k", 1, 16384, 0))
     prefill = []
     for case in prefill_cases:
-        result = bench_prefill(*case, device)
-        prefill.append(result)
+        case_result = bench_prefill(*case, device)
+        prefill.append(case_result)
         print(
-            f"prefill {result.name:<24} {result.ms:8.3f} ms {result.tflops:5.0f} TFLOP/s, "
-            f"{_fmt(result.ratio_vs_sdpa, '.2f')}x SDPA ({result.sdpa_backend}), "
-            f"err {_fmt(result.max_abs_err, '.1e')}",
+            f"prefill {case_result.name:<24} {case_result.ms:8.3f} ms "
+            f"{case_result.tflops:5.0f} TFLOP/s, "
+            f"{_fmt(case_result.ratio_vs_sdpa, '.2f')}x SDPA ({case_result.sdpa_backend}), "
+            f"err {_fmt(case_result.max_abs_err, '.1e')}",
             flush=True,
         )
         torch.cuda.empty_cache()
 
-    command = "python bench/kernels.py --engine-prompts 0" + (" --quick" if args.quick else "")
-    write_section("kernels", render(device_name, command, copy_bps, decode, prefill))
+    section = render(device_name, command_line(), copy_bps, decode, prefill)
+    write_section("kernels", section)
     return {
+        "kernels_section": section,
         "copy_gbps": copy_bps / 1e9,
         "decode": [asdict(r) for r in decode],
         "prefill": [asdict(r) for r in prefill],
@@ -459,25 +486,38 @@ def run_kernels(args: argparse.Namespace, device: torch.device) -> dict[str, obj
 
 
 def run_engine(args: argparse.Namespace, device: torch.device) -> dict[str, object]:
-    """The engine with and without decode CUDA graphs; writes the `kernels-engine` section."""
-    result = bench_engine(args.engine_prompts, args.max_num_seqs, args.engine_repeats)
+    """The engine with and without decode CUDA graphs; on CUDA, writes the `kernels-engine`
+    section (on the CPU there are no graphs: both modes run eagerly, the path is what counts)."""
+    result = bench_engine(
+        args.engine_prompts,
+        args.max_num_seqs,
+        args.engine_repeats,
+        device=device.type,
+        max_output=args.max_output,
+        kv_cache_gb=args.kv_cache_gb,
+    )
+    eager = ", ".join(f"{r:,.0f}" for r in result.eager_tok_s)
+    graphs = ", ".join(f"{r:,.0f}" for r in result.graphs_tok_s)
     print(
-        f"engine: eager {result.eager_tok_s} tok/s, graphs {result.graphs_tok_s} tok/s, "
-        f"{result.ratio:.2f}x, outputs equal: {result.outputs_equal}",
+        f"engine: eager {eager} tok/s, graphs {graphs} tok/s, {result.ratio:.2f}x, "
+        f"outputs equal: {result.outputs_equal}",
         flush=True,
     )
-    command = (
-        f"python bench/kernels.py --skip-kernels --engine-prompts {args.engine_prompts} "
-        f"--max-num-seqs {args.max_num_seqs}"
-    )
+    command = command_line()
+    if device.type == "cuda":
+        where = f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
+        where += f"triton {_triton_version()}; bf16, Triton attention"
+    else:
+        where = f"the CPU, torch {torch.__version__}; fp32, torch attention, no graphs"
     header = [
-        "## Engine on the GPU: decode CUDA graphs (bench/kernels.py)",
+        f"## Engine on the {device.type.upper()}: decode CUDA graphs (bench/kernels.py)",
         "",
-        f"Command: `{command}` on {torch.cuda.get_device_name(device)}, "
-        f"torch {torch.__version__}, triton {_triton_version()}; bf16, Triton attention.",
+        f"Command: `{command}` on {where}.",
     ]
-    write_section("kernels-engine", "\n".join(header + render_engine(result)) + "\n")
-    return {"engine": {**asdict(result), "ratio": result.ratio}}
+    section = "\n".join(header + render_engine(result)) + "\n"
+    if device.type == "cuda":
+        write_section("kernels-engine", section)
+    return {"engine": {**asdict(result), "ratio": result.ratio}, "engine_section": section}
 
 
 def main() -> int:
@@ -489,24 +529,38 @@ def main() -> int:
     )
     parser.add_argument("--max-num-seqs", type=int, default=256, help="engine concurrency")
     parser.add_argument("--engine-repeats", type=int, default=2, help="passes per engine mode")
+    parser.add_argument("--max-output", type=int, default=256, help="longest engine output")
+    parser.add_argument(
+        "--kv-cache-gb", type=float, default=4.0, help="KV cache of each of the two engines"
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: the engine part only, on the CPU (a dry run of the code path)",
+    )
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    if args.device == "cpu" and not args.skip_kernels:
+        print("the kernels are timed on CUDA only: pass --skip-kernels with --device cpu.")
+        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU: the Triton kernels run only there.")
         return 2
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: the interpreter is for CPU tests, not for timing.")
         return 2
 
-    device = torch.device("cuda")
+    device = torch.device(args.device)
     payload: dict[str, object] = {
-        "device": torch.cuda.get_device_name(device),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "triton": _triton_version(),
     }
     if not args.skip_kernels:
         payload.update(run_kernels(args, device))
     if args.engine_prompts > 0:
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         payload.update(run_engine(args, device))
     out_dir = os.environ.get("OUT")
     if out_dir:

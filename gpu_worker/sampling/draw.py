@@ -54,12 +54,13 @@ def uniforms(seeds: list[int | None], positions: list[int], device: torch.device
 def draw(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """[m] index into each row of `logits` ([m, width], -inf for tokens that may not be
     drawn, at least one finite per row), drawn with probability softmax(row) by `u`."""
-    weights = (logits - logits.amax(dim=-1, keepdim=True)).exp_()
-    m, width = weights.shape
+    m, width = logits.shape
     size = min(BLOCK, width)
     blocks = -(-width // size)
-    if blocks * size != width:
-        weights = torch.nn.functional.pad(weights, (0, blocks * size - width))
+    # Written straight into a buffer of whole blocks, the tail zeros: a pad would copy.
+    weights = torch.empty(m, blocks * size, dtype=torch.float32, device=logits.device)
+    weights[:, width:] = 0.0
+    torch.sub(logits, logits.amax(dim=-1, keepdim=True), out=weights[:, :width]).exp_()
     inner = weights.view(m, blocks, size).cumsum(dim=-1)
     ends = inner[:, :, -1].double().cumsum(dim=-1)
     total = ends[:, -1:]

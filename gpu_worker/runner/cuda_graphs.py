@@ -13,6 +13,13 @@ runs the graph of the smallest bucket `>= n`, and the rows past `n` are padding:
 Block tables are as wide as `max_model_len` allows, so a graph serves any context; the decode
 kernel's split-K grid depends only on that width and the bucket, never on the lengths.
 
+A step's inputs cross in one copy: every per-row input (token ids, positions, slots,
+lengths, block-table rows) and the step's block-table writes are views of one byte buffer
+on the device, filled on the host in a twin buffer (pinned on CUDA) and moved by one
+non-blocking copy; then the writes are applied to the runner's persistent block table and
+its rows gathered into the static table (`gpu_worker.runner.block_table`): at most three
+launches before the replay, where per-tensor copies and padding fills took eleven.
+
 Only pure-decode steps on the Triton backend replay graphs; prefill chunks and mixed steps
 run eagerly (their token counts vary too much to bucket). With `capture=False` the runner
 runs the same static-buffer path without capturing: the CPU tests drive the padding logic
@@ -26,11 +33,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from gpu_worker.attention.backend import AttentionBackend
-from gpu_worker.attention.metadata import AttentionMetadata
+from gpu_worker.attention.metadata import AttentionMetadata, BatchLayout
 from gpu_worker.models.base import CausalLM
+from gpu_worker.runner.block_table import BlockTable, BlockTableStep
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +60,41 @@ def batch_size_buckets(max_batch_size: int) -> list[int]:
     return sorted(set(buckets))
 
 
+class StagedInputs:
+    """Named arrays in one byte buffer on the device, with a twin on the host (pinned on
+    CUDA): a step writes the host views, then `copy` moves them all at once; the device
+    views keep their addresses for good, so captured graphs can read them."""
+
+    def __init__(self, fields: dict[str, tuple[torch.dtype, int]], device: torch.device) -> None:
+        offsets: dict[str, tuple[int, int]] = {}
+        size = 0
+        for name, (dtype, count) in fields.items():
+            nbytes = count * dtype.itemsize
+            offsets[name] = (size, nbytes)
+            size += -(-nbytes // 8) * 8  # every view starts 8-byte aligned
+        on_cuda = device.type == "cuda"
+        self.host_buffer = torch.zeros(size, dtype=torch.uint8, pin_memory=on_cuda)
+        self.device_buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+        self.host: dict[str, np.ndarray] = {}
+        self.device: dict[str, torch.Tensor] = {}
+        for name, (start, nbytes) in offsets.items():
+            dtype = fields[name][0]
+            self.host[name] = self.host_buffer[start : start + nbytes].view(dtype).numpy()
+            self.device[name] = self.device_buffer[start : start + nbytes].view(dtype)
+        self._copied = torch.cuda.Event() if on_cuda else None
+
+    def wait(self) -> None:
+        """Block until the last copy has read the host buffer, before writing it again."""
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def copy(self) -> None:
+        """Move the whole host buffer to the device views (non-blocking on CUDA)."""
+        self.device_buffer.copy_(self.host_buffer, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+
 @dataclass
 class _Graph:
     """One captured bucket: replaying refreshes `output` in place."""
@@ -67,6 +111,7 @@ class DecodeGraphRunner:
         model: CausalLM,
         attn_backend: AttentionBackend,
         kv_caches: list[torch.Tensor],
+        block_table: BlockTable,
         *,
         max_batch_size: int,
         max_blocks_per_seq: int,
@@ -79,33 +124,53 @@ class DecodeGraphRunner:
         self.model = model
         self.attn_backend = attn_backend
         self.kv_caches = kv_caches
+        self.block_table = block_table
+        block_table.reserve(max_blocks_per_seq)
         self.device = device
         self.capture = capture
         self.block_size = block_size
         self.buckets = batch_size_buckets(max_batch_size)
-        self.max_batch_size = self.buckets[-1]
-        n = self.max_batch_size
-
-        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        self.input_ids = zeros(n, dtype=torch.int64)
-        self.positions = zeros(n, dtype=torch.int64)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = zeros(n, dtype=torch.int32)
-        self.context_lens = zeros(n, dtype=torch.int32)
-        self.block_tables = zeros(n, max_blocks_per_seq, dtype=torch.int32)
+        self.max_batch_size = n = self.buckets[-1]
+        self.max_table_writes = 4 * n
+        """Block-table writes a graph step carries; a step with more (a long table given
+        its row in a one-token chunk, which is rare) runs eagerly."""
+        i64, i32 = torch.int64, torch.int32
+        self.staged = StagedInputs(
+            {
+                "input_ids": (i64, n),
+                "positions": (i64, n),
+                "slot_mapping": (i64, n),
+                "rows": (i64, n),
+                "write_index": (i64, self.max_table_writes),
+                "seq_lens": (i32, n),
+                "context_lens": (i32, n),
+                "write_values": (i32, self.max_table_writes),
+            },
+            device,
+        )
+        static = self.staged.device
+        self.input_ids = static["input_ids"]
+        self.positions = static["positions"]
+        self.slot_mapping = static["slot_mapping"]
+        self.seq_lens = static["seq_lens"]
+        self.context_lens = static["context_lens"]
+        # Rows past every step write nothing, in the buffers the capture reads and in the
+        # host twin each step's copy brings over.
+        self.slot_mapping.fill_(-1)
+        self.staged.host["slot_mapping"].fill(-1)
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=i32, device=device)
         # One query per sequence, always: query_start_loc is 0..n and never changes.
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self._graphs: dict[int, _Graph] = {}
 
-    def can_run(self, meta: AttentionMetadata) -> bool:
-        """Whether this step can replay a graph: pure decode, few enough sequences, and
-        block tables no wider than the static buffer."""
+    def can_run(self, layout: BatchLayout, table: BlockTableStep) -> bool:
+        """Whether this step can replay a graph: pure decode, few enough sequences, block
+        tables no wider than the static buffer and few enough table writes."""
         return (
-            meta.is_pure_decode
-            and self.bucket_for(meta.num_seqs) is not None
-            and meta.block_tables.shape[1] <= self.block_tables.shape[1]
+            layout.max_query_len == 1
+            and self.bucket_for(layout.num_seqs) is not None
+            and table.width <= self.block_tables.shape[1]
+            and table.num_writes <= self.max_table_writes
         )
 
     def bucket_for(self, num_seqs: int) -> int | None:
@@ -159,36 +224,44 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
+        self, input_ids: np.ndarray, layout: BatchLayout, table: BlockTableStep
     ) -> torch.Tensor:
-        """One decode step of `meta.num_seqs` sequences -> hidden states [num_seqs, hidden].
+        """One decode step of `layout.num_seqs` sequences -> hidden states [num_seqs, hidden].
 
-        The caller checks `can_run` first; inputs are this step's device tensors from the
-        model runner, copied into the static buffers (a handful of device-to-device copies).
+        The caller checks `can_run` first; inputs are the step's host arrays from the model
+        runner (`table` from its `block_table`): written into the staged buffer with the
+        padding rows, moved in one copy, then the table's writes and rows applied.
         """
-        if not self.can_run(meta):
-            raise ValueError(f"no decode graph fits this step ({meta.num_seqs} sequences)")
-        num_seqs = meta.num_seqs
+        if not self.can_run(layout, table):
+            raise ValueError(f"no decode graph fits this step ({layout.num_seqs} sequences)")
+        num_seqs = layout.num_seqs
         bucket = self.bucket_for(num_seqs)
         assert bucket is not None
-        width = meta.block_tables.shape[1]
-        self.input_ids[:num_seqs].copy_(input_ids)
-        self.positions[:num_seqs].copy_(positions)
-        self.slot_mapping[:num_seqs].copy_(meta.slot_mapping)
-        self.seq_lens[:num_seqs].copy_(meta.seq_lens)
-        self.context_lens[:num_seqs].copy_(meta.context_lens)
-        # Columns past `width` keep stale ids: attention never reads past seq_len.
-        self.block_tables[:num_seqs, :width].copy_(meta.block_tables)
-        if num_seqs < bucket:
-            # Rows a previous, larger step left behind must not write or read the cache.
-            self.input_ids[num_seqs:bucket].zero_()
-            self.positions[num_seqs:bucket].zero_()
-            self.slot_mapping[num_seqs:bucket].fill_(-1)
-            self.seq_lens[num_seqs:bucket].zero_()
-            self.context_lens[num_seqs:bucket].zero_()
+        staged = self.staged
+        staged.wait()
+        host = staged.host
+        # Rows past num_seqs are padding: they must not write or read the cache, whatever
+        # a previous, larger step left there.
+        for name, values, pad in (
+            ("input_ids", input_ids, 0),
+            ("positions", layout.positions, 0),
+            ("slot_mapping", layout.slot_mapping, -1),
+            ("seq_lens", layout.seq_lens, 0),
+            ("context_lens", layout.context_lens, 0),
+            ("rows", table.rows, 0),  # row 0 is the block table's null row
+        ):
+            host[name][:num_seqs] = values
+            host[name][num_seqs:bucket] = pad
+        num_writes = table.num_writes
+        host["write_index"][:num_writes] = table.index
+        host["write_values"][:num_writes] = table.values
+        staged.copy()
+        device = staged.device
+        self.block_table.apply(
+            device["write_index"][:num_writes], device["write_values"][:num_writes]
+        )
+        width = self.block_tables.shape[1]
+        self.block_table.gather(device["rows"][:bucket], width, out=self.block_tables[:bucket])
         if not self.capture:
             return self._forward_for(bucket)()[:num_seqs]
         graph = self._graphs.get(bucket)

@@ -8,19 +8,32 @@ their hidden states come back as they are, for the sampler's side to score them 
 slices (a whole chunk's logits at once could take gigabytes). The batch's layout and
 its upload are `gpu_worker.attention.metadata`'s (the same builder the tests use); the
 runner adds the token ids and the rows to sample.
+
+Block tables are not rebuilt each step: `gpu_worker.runner.block_table` keeps a row per
+running sequence and writes only the blocks each gained, and the step's tables are a
+gather of its rows on the device. Rows are freed through `release` with the scheduler's
+`finished_request_ids`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from gpu_worker.attention.backend import AttentionBackend
-from gpu_worker.attention.metadata import AttentionMetadata, layout_batch, upload_batch
+from gpu_worker.attention.metadata import (
+    AttentionMetadata,
+    BatchLayout,
+    layout_batch,
+    to_device,
+    upload_batch,
+)
 from gpu_worker.core.scheduler import ScheduledSequence
 from gpu_worker.models.base import CausalLM
+from gpu_worker.runner.block_table import BlockTable, BlockTableStep
 from gpu_worker.runner.cuda_graphs import DecodeGraphRunner
 
 
@@ -33,6 +46,20 @@ class RunnerOutput:
     prompt_hidden: torch.Tensor | None = None
     """[rows, hidden] final hidden states at every scheduled `prompt_logprob_positions`
     position, sequence by sequence in batch order; None when no sequence asked."""
+
+
+@dataclass(frozen=True)
+class HostBatch:
+    """One step's inputs on the host, before they cross to the device."""
+
+    input_ids: np.ndarray
+    """[num_tokens] int64."""
+    layout: BatchLayout
+    table: BlockTableStep
+    sample_rows: np.ndarray | None
+    """Rows whose logits are sampled; None when every row samples (a pure decode step)."""
+    prompt_rows: np.ndarray | None
+    """Rows whose hidden states score prompt logprobs; None when no sequence asked."""
 
 
 class ModelRunner:
@@ -52,6 +79,7 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        self.block_table = BlockTable(device)
         self.decode_graphs: DecodeGraphRunner | None = None
         """Set by `capture_decode_graphs` on CUDA: pure-decode steps then replay graphs."""
         self.num_graph_steps = 0
@@ -63,6 +91,7 @@ class ModelRunner:
             self.model,
             self.attn_backend,
             self.kv_caches,
+            self.block_table,
             max_batch_size=max_batch_size,
             max_blocks_per_seq=-(-max_model_len // self.block_size),
             block_size=self.block_size,
@@ -72,16 +101,26 @@ class ModelRunner:
         graphs.capture_all()
         self.decode_graphs = graphs
 
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Free the block-table rows of requests that left the running set."""
+        self.block_table.release(request_ids)
+
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> RunnerOutput:
         """Run one step: fp32 logits for each sampling sequence, in batch order, and the
         hidden states of the prompt rows whose logprobs were asked for."""
-        input_ids, positions, meta, sample_rows, prompt_rows = self._prepare(scheduled)
+        batch = self.prepare(scheduled)
         graphs = self.decode_graphs
-        if graphs is not None and graphs.can_run(meta):
-            hidden = graphs.run(input_ids, positions, meta)
+        if graphs is not None and graphs.can_run(batch.layout, batch.table):
+            hidden = graphs.run(batch.input_ids, batch.layout, batch.table)
             self.num_graph_steps += 1
+            # Rare in a decode step (a one-token prefill chunk), so their own small copy.
+            rows = [r for r in (batch.sample_rows, batch.prompt_rows) if r is not None]
+            uploaded = to_device(rows, torch.int64, self.device) if rows else []
+            sample_rows = None if batch.sample_rows is None else uploaded.pop(0)
+            prompt_rows = None if batch.prompt_rows is None else uploaded.pop(0)
         else:
+            input_ids, positions, meta, sample_rows, prompt_rows = self.upload(batch)
             self.attn_backend.plan(meta, self.kv_caches[0])
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
         prompt_hidden = None if prompt_rows is None else hidden.index_select(0, prompt_rows)
@@ -98,48 +137,69 @@ class ModelRunner:
         """Hidden states [n, hidden] -> fp32 logits [n, >= vocab] (prompt logprobs)."""
         return self.model.compute_logits(hidden)
 
-    def _prepare(
-        self, scheduled: list[ScheduledSequence]
+    def prepare(self, scheduled: list[ScheduledSequence]) -> HostBatch:
+        """The step's host arrays: token ids, the layout (slots from the persistent block
+        table, which takes each sequence's new blocks here), the rows to sample and the
+        prompt-logprob rows."""
+        # List comprehensions, not one loop storing into numpy: this runs per sequence
+        # every step, and numpy scalar stores cost more than the work they record.
+        seqs = [item.seq for item in scheduled]
+        starts = [item.num_computed_tokens for item in scheduled]
+        num_new = [item.num_new_tokens for item in scheduled]
+        if max(num_new, default=0) == 1:  # every sequence decodes one token
+            input_ids = [seq.all_token_ids[start] for seq, start in zip(seqs, starts, strict=True)]
+        else:
+            input_ids = []
+            for seq, start, n in zip(seqs, starts, num_new, strict=True):
+                input_ids += seq.all_token_ids[start : start + n]
+        query_lens = np.array(num_new, dtype=np.int64)
+        context_lens = np.array(starts, dtype=np.int64)
+        will_sample = np.array([item.will_sample for item in scheduled], dtype=bool)
+        num_prompt_rows = np.array(
+            [
+                len(item.prompt_logprob_positions)
+                if seq.sampling.prompt_logprobs is not None
+                else 0
+                for item, seq in zip(scheduled, seqs, strict=True)
+            ],
+            dtype=np.int64,
+        )
+
+        table = self.block_table.update(seqs)
+        layout = layout_batch(
+            query_lens, context_lens, self.block_table.host, self.block_size, table.rows
+        )
+        sample_rows = layout.query_start_loc[1:][will_sample] - 1
+        every_row_samples = len(sample_rows) == layout.num_tokens
+        prompt_rows = None
+        if num_prompt_rows.any():
+            prompt_rows = _first_rows(layout.query_start_loc[:-1], num_prompt_rows)
+        ids = np.asarray(input_ids, dtype=np.int64)
+        return HostBatch(
+            ids, layout, table, None if every_row_samples else sample_rows, prompt_rows
+        )
+
+    def upload(
+        self, batch: HostBatch
     ) -> tuple[
         torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None, torch.Tensor | None
     ]:
-        """Host lists -> device tensors: input ids, positions, attention metadata, the
-        rows to sample (None when every token samples, as in a pure decode step) and the
-        prompt-logprob rows (None when no sequence asked)."""
-        num_seqs = len(scheduled)
-        query_lens = np.empty(num_seqs, dtype=np.int64)
-        context_lens = np.empty(num_seqs, dtype=np.int64)
-        input_ids: list[int] = []
-        tables: list[list[int]] = []
-        will_sample = np.empty(num_seqs, dtype=bool)
-        num_prompt_rows = np.zeros(num_seqs, dtype=np.int64)
-        for i, item in enumerate(scheduled):
-            start, num_new = item.num_computed_tokens, item.num_new_tokens
-            query_lens[i] = num_new
-            context_lens[i] = start
-            if num_new == 1:
-                input_ids.append(item.seq.all_token_ids[start])
-            else:
-                input_ids.extend(item.seq.all_token_ids[start : start + num_new])
-            tables.append(item.seq.block_table)
-            will_sample[i] = item.will_sample
-            num_prompt_rows[i] = len(item.prompt_logprob_positions)
+        """Host batch -> device tensors for an eager step: input ids, positions, attention
+        metadata, the rows to sample and the prompt-logprob rows (None as in the batch)."""
+        table = batch.table
+        extra = [batch.input_ids, batch.layout.positions, table.rows, table.index]
+        extra += [r for r in (batch.sample_rows, batch.prompt_rows) if r is not None]
+        uploaded = upload_batch(batch.layout, self.device, extra, [table.values])
+        input_ids, positions, rows, index, *row_sets = uploaded.extra
+        self.block_table.apply(index, uploaded.extra_i32[0])
+        meta = uploaded.metadata(self.block_table.gather(rows, table.width))
+        sample_rows = None if batch.sample_rows is None else row_sets.pop(0)
+        prompt_rows = None if batch.prompt_rows is None else row_sets.pop(0)
+        return input_ids, positions, meta, sample_rows, prompt_rows
 
-        layout = layout_batch(query_lens, context_lens, tables, self.block_size)
-        sample_rows = layout.query_start_loc[1:][will_sample] - 1
-        extra = [np.asarray(input_ids, dtype=np.int64), layout.positions]
-        every_row_samples = len(sample_rows) == layout.num_tokens
-        if not every_row_samples:
-            extra.append(sample_rows)
-        has_prompt_rows = bool(num_prompt_rows.any())
-        if has_prompt_rows:
-            # A sequence's prompt-logprob positions start its chunk: its first rows.
-            starts = np.repeat(layout.query_start_loc[:-1], num_prompt_rows)
-            offsets = np.arange(len(starts)) - np.repeat(
-                np.cumsum(num_prompt_rows) - num_prompt_rows, num_prompt_rows
-            )
-            extra.append(starts + offsets)
-        meta, (ids, positions, *rows) = upload_batch(layout, self.device, extra)
-        sample_t = None if every_row_samples else rows.pop(0)
-        prompt_t = rows.pop(0) if has_prompt_rows else None
-        return ids, positions, meta, sample_t, prompt_t
+
+def _first_rows(chunk_starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The first `counts[i]` rows of each sequence's chunk, in order: a sequence's
+    prompt-logprob positions start its chunk."""
+    starts = np.repeat(chunk_starts, counts)
+    return starts + np.arange(len(starts)) - np.repeat(np.cumsum(counts) - counts, counts)

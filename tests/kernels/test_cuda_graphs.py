@@ -10,13 +10,16 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from gpu_worker import Engine
-from gpu_worker.attention.metadata import build_attention_metadata
+from gpu_worker.attention.metadata import BatchLayout, build_attention_metadata, layout_batch
 from gpu_worker.attention.triton_backend import TritonAttentionBackend
+from gpu_worker.core.sequence import Sequence
 from gpu_worker.loader import load_model
+from gpu_worker.runner.block_table import BlockTable, BlockTableStep
 from gpu_worker.runner.cuda_graphs import DecodeGraphRunner, batch_size_buckets
 from gpu_worker.runner.kv_caches import allocate_kv_caches
 from shared.model_source import resolve_model
@@ -59,6 +62,7 @@ def _model_and_caches(
 def _runner(
     model: torch.nn.Module,
     caches: list[torch.Tensor],
+    block_table: BlockTable,
     max_batch_size: int,
     max_blocks_per_seq: int,
     capture: bool = False,
@@ -67,6 +71,7 @@ def _runner(
         model,
         model.attn_backend,
         caches,
+        block_table,
         max_batch_size=max_batch_size,
         max_blocks_per_seq=max_blocks_per_seq,
         block_size=BLOCK_SIZE,
@@ -75,33 +80,63 @@ def _runner(
     )
 
 
+def _decode_step(
+    table: BlockTable, block_tables: list[list[int]], context_lens: list[int], tag: str
+) -> tuple[BatchLayout, BlockTableStep]:
+    """A decode step of sequences `{tag}{i}` holding these blocks, as the runner lays it out."""
+    seqs = []
+    for i, blocks in enumerate(block_tables):
+        seq = Sequence(f"{tag}{i}", [1], SamplingParams(), block_size=BLOCK_SIZE)
+        seq.block_table = blocks
+        seqs.append(seq)
+    step = table.update(seqs)
+    ones = np.ones(len(seqs), dtype=np.int64)
+    layout = layout_batch(ones, np.asarray(context_lens), table.host, BLOCK_SIZE, step.rows)
+    return layout, step
+
+
 def test_padding_rows_leave_the_cache_alone_and_match_eager(tiny_model_dir: Path) -> None:
     model, caches = _model_and_caches(tiny_model_dir, num_blocks=12)
     for cache in caches:
         cache.normal_()
     eager_caches = [c.clone() for c in caches]
-    runner = _runner(model, caches, 8, 4)
+    table = BlockTable(torch.device("cpu"), num_rows=4, num_cols=2)
+    runner = _runner(model, caches, table, 8, 4)
     runner.capture_all()
-    tables = [[3, 7], [1], [10, 2, 5]]
-    context_lens = [20, 9, 40]
+    # Every per-row input is a view of the one buffer the step's single copy fills.
+    storage = runner.staged.device_buffer.untyped_storage().data_ptr()
+    for static in (runner.input_ids, runner.positions, runner.slot_mapping, runner.seq_lens):
+        assert static.untyped_storage().data_ptr() == storage
     # A step of 5 rows first leaves stale rows 3..4 behind in the static buffers.
-    first = build_attention_metadata([1] * 5, [1, 2, 3, 4, 5], [[0]] * 5, BLOCK_SIZE)
-    first.slot_mapping.fill_(-1)  # write nothing, only occupy the buffers
-    runner.run(torch.arange(5), torch.arange(5), first)
+    first, first_table = _decode_step(table, [[9]] * 5, [1, 2, 3, 4, 5], "old")
+    first.slot_mapping.fill(-1)  # write nothing, only occupy the buffers
+    runner.run(np.arange(5), first, first_table)
+    table.release([f"old{i}" for i in range(5)])
     before = [c.clone() for c in caches]
 
-    meta = build_attention_metadata([1, 1, 1], context_lens, tables, BLOCK_SIZE)
-    ids, positions = torch.tensor([5, 17, 200]), torch.tensor(context_lens)
+    tables = [[3, 7], [1], [10, 2, 5]]
+    context_lens = [20, 9, 40]
+    layout, step = _decode_step(table, tables, context_lens, "new")
     assert runner.bucket_for(3) == 4
-    assert runner.can_run(meta)
-    hidden = runner.run(ids, positions, meta)
+    assert runner.can_run(layout, step)
+    ids = np.array([5, 17, 200])
+    hidden = runner.run(ids, layout, step)
     eager_meta = build_attention_metadata([1, 1, 1], context_lens, tables, BLOCK_SIZE)
     model.attn_backend.plan(eager_meta, eager_caches[0])
     with torch.inference_mode():
-        expected = model(ids, positions, eager_meta, eager_caches)
+        expected = model(
+            torch.from_numpy(ids), torch.tensor(context_lens), eager_meta, eager_caches
+        )
     torch.testing.assert_close(hidden, expected, atol=1e-5, rtol=1e-5)
+    # The static tables hold the sequences' blocks; the padding row gathered the null row.
+    for row, blocks in enumerate(tables):
+        assert runner.block_tables[row, : len(blocks)].tolist() == blocks
+    assert runner.block_tables[3].tolist() == [0] * 4
+    assert runner.slot_mapping[3].item() == -1
+    assert runner.seq_lens[3].item() == 0
     # Only the three new tokens' slots changed, in every layer, exactly as the eager run did.
-    written = meta.slot_mapping.tolist()
+    written = eager_meta.slot_mapping.tolist()
+    assert layout.slot_mapping.tolist() == written
     for cache, old, eager in zip(caches, before, eager_caches, strict=True):
         changed = (cache != old).flatten(1, 2).any(-1).any(-1).any(0).nonzero().flatten()
         assert sorted(changed.tolist()) == sorted(written)
@@ -109,16 +144,23 @@ def test_padding_rows_leave_the_cache_alone_and_match_eager(tiny_model_dir: Path
 
 
 def test_steps_too_big_or_not_pure_decode_run_eagerly(tiny_model_dir: Path) -> None:
-    model, caches = _model_and_caches(tiny_model_dir, num_blocks=8)
-    runner = _runner(model, caches, 2, 2)
-    assert not runner.can_run(build_attention_metadata([1] * 3, [1, 1, 1], [[0]] * 3, BLOCK_SIZE))
-    assert not runner.can_run(build_attention_metadata([4], [0], [[0]], BLOCK_SIZE))
-    assert not runner.can_run(build_attention_metadata([1], [40], [[0, 1, 2]], BLOCK_SIZE))
+    model, caches = _model_and_caches(tiny_model_dir, num_blocks=64)
+    table = BlockTable(torch.device("cpu"))
+    runner = _runner(model, caches, table, 2, 2)
+    assert runner.can_run(*_decode_step(table, [[0]] * 2, [1, 1], "a"))
+    assert not runner.can_run(*_decode_step(table, [[0]] * 3, [1, 1, 1], "b"))
+    assert not runner.can_run(*_decode_step(table, [[0, 1, 2]], [40], "c"))  # too wide
+    prefill, prefill_table = _decode_step(table, [[0]], [0], "d")
+    prefill = layout_batch(np.array([4]), np.array([0]), table.host, BLOCK_SIZE, prefill_table.rows)
+    assert not runner.can_run(prefill, prefill_table)
+    # More table writes than a graph step carries (8 here) run eagerly.
+    wide = _runner(model, caches, table, 2, 16)
+    assert not wide.can_run(*_decode_step(table, [list(range(9))], [130], "e"))
+    assert wide.can_run(*_decode_step(table, [list(range(8))], [120], "f"))
     with pytest.raises(ValueError, match="no decode graph fits"):
-        runner.run(torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64),
-                   build_attention_metadata([1] * 3, [1, 1, 1], [[0]] * 3, BLOCK_SIZE))  # fmt: skip
+        runner.run(np.zeros(3, dtype=np.int64), *_decode_step(table, [[0]] * 3, [1] * 3, "g"))
     with pytest.raises(ValueError, match="CUDA"):
-        _runner(model, caches, 2, 2, capture=True)
+        _runner(model, caches, table, 2, 2, capture=True)
 
 
 def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -143,7 +185,9 @@ def test_engine_outputs_equal_with_the_graph_path(tiny_model_dir: Path) -> None:
     eager = engine.generate(prompts, params)
     assert engine.runner.decode_graphs is None  # CPU: no graphs unless asked for
     engine.reset_prefix_cache()
-    graphs = _runner(engine.model, engine.runner.kv_caches, 8, 96 // BLOCK_SIZE)
+    graphs = _runner(
+        engine.model, engine.runner.kv_caches, engine.runner.block_table, 8, 96 // BLOCK_SIZE
+    )
     graphs.capture_all()
     engine.runner.decode_graphs = graphs
     with_graphs = engine.generate(prompts, params)

@@ -206,6 +206,9 @@ class Engine:
     def step(self) -> list[RequestDelta]:
         """Run one engine step; return a delta for every sequence that got a token."""
         output = self.scheduler.schedule()
+        # Before this step's rows are laid out: an id that left may be back as a new request.
+        self.runner.release(output.finished_request_ids)
+        self.sampler.release(output.finished_request_ids)
         if output.is_empty:
             return []
         run = self.runner.execute(output.scheduled)

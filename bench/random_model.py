@@ -13,7 +13,8 @@ PYTHONPATH, `resolve_model("SmolLM2-135M-Instruct")` finds it ahead of any insta
 so every test and benchmark that names the built-in model runs unchanged, on the same
 loader path (GGUF, Q4_1/Q8_0 dequantization) and at the same shapes and cost per token.
 Outputs are not SmolLM2's: the stand-in is for timing and for comparing two paths of
-our own (graphs against eager, Triton against torch), never against the real model.
+our own (graphs against eager, Triton against torch), never against the real model; see
+`_random_values` for what its greedy outputs can and cannot show.
 """
 
 from __future__ import annotations
@@ -74,19 +75,23 @@ def describe(model_path: Path) -> dict[str, Any]:
 
 
 def _random_values(name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Values whose activations stay O(1) through every layer.
+    """Values whose activations stay O(1) through every layer, and whose greedy choices
+    survive bf16 rounding.
 
-    Embeddings are unit normal, so tied logits (hidden . embedding) spread widely and greedy
-    choices are far from ties. Matrices are drawn at 2/sqrt(fan-in), so each layer adds more
-    to the residual stream than the token's own embedding holds: at 1/sqrt(fan-in) the
-    embedding dominates the last hidden state and greedy decoding repeats the last token
-    whatever attention computes, which would hide attention bugs. Norms sit near one.
+    Embeddings are unit normal, matrices N(0, 1/fan-in), norms near one. Measured on the CPU
+    (8 chat prompts, 16 greedy tokens, fp32 against bf16): at this scale both agree on every
+    token, and the first token depends on the prompt but later ones repeat it (the token's
+    own embedding dominates the tied logits). At 1.4/sqrt(fan-in) tokens vary along the
+    sequence, but bf16 and fp32 part within the first 12 tokens on 7 prompts of 8 (at 2.0,
+    within the first 7 on all 8): a random model that deep is chaotic, and exact-token
+    comparisons of two numerical paths would fail on rounding alone. So compare paths on
+    logits here, or on greedy tokens only as far as this stable, repetitive output allows.
     """
     if name.endswith("norm.weight"):
         return (1.0 + 0.1 * rng.standard_normal((rows, cols), dtype=np.float32)).astype(np.float32)
     if name.startswith("token_embd") or name.startswith("output."):
         return rng.standard_normal((rows, cols), dtype=np.float32)
-    return rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(2.0 * cols**-0.5)
+    return rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(cols**-0.5)
 
 
 def _kept(name: str, num_layers: int | None) -> bool:

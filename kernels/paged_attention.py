@@ -74,10 +74,13 @@ def softcap_log2(qk, SOFTCAP: tl.constexpr):
     return tl.where(x < 0, -t, t) * (SOFTCAP * log2e)
 
 
-# batch_bucket is only an autotune key. Ints that vary from step to step are not specialized
-# (Triton compiles a variant per int that is 1 or a multiple of 16): a new variant would
-# compile on a request.
-@triton.jit(do_not_specialize=["num_splits", "split_size", "window", "batch_bucket"])
+# Ints that vary from step to step are not specialized: Triton compiles a variant per int
+# argument that is 1 or a multiple of 16, which would compile on a request. The block-table
+# width (stride_bts) follows eager steps' context; batch_bucket is only an autotune key.
+DECODE_UNSPECIALIZED = ["stride_bts", "num_splits", "split_size", "window", "batch_bucket"]
+
+
+@triton.jit(do_not_specialize=DECODE_UNSPECIALIZED)
 def _paged_decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -200,7 +203,7 @@ _paged_decode_kernel_tuned = triton.autotune(
 )(_paged_decode_kernel)
 
 
-@triton.jit(do_not_specialize=["num_splits", "split_size", "window"])
+@triton.jit(do_not_specialize=["num_splits", "split_size", "window"])  # as above
 def _combine_splits_kernel(
     part_out_ptr,
     part_lse_ptr,

@@ -146,10 +146,13 @@ def _attend_keys(
     return acc, m_i, l_i
 
 
-# Triton compiles a variant per int argument that is 1 or a multiple of 16: the ints that vary
-# from step to step are not specialized, or a new variant would compile on a request.
-# tokens_bucket is only an autotune key.
-@triton.jit(do_not_specialize=["num_seqs", "num_tiles", "window", "tokens_bucket"])
+# Ints that vary from step to step are not specialized: Triton compiles a variant per int
+# argument that is 1 or a multiple of 16, which would compile on a request. The block-table
+# width (stride_bts) follows the step; tokens_bucket is only an autotune key.
+PREFILL_UNSPECIALIZED = ["num_seqs", "num_tiles", "window", "tokens_bucket", "stride_bts"]
+
+
+@triton.jit(do_not_specialize=PREFILL_UNSPECIALIZED)
 def _paged_prefill_kernel(
     q_ptr,
     k_cache_ptr,

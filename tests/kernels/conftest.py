@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -126,3 +127,17 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     save_tiny_tokenizer(out_dir, hf.config.vocab_size)
     return out_dir
+
+
+class KernelRecorder:
+    """Stands in for a `@triton.jit` kernel (monkeypatched over it): records the grid and the
+    positional arguments of each launch, runs nothing."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[tuple[int, ...], tuple[Any, ...]]] = []
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+        def launch(*args: Any, **kwargs: Any) -> None:
+            self.launches.append((grid, args))
+
+        return launch

@@ -4,15 +4,13 @@ a 16k-token sequence gets in a batch of 64."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
 from kernels import paged_attention
 from kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
 from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
-from tests.kernels.conftest import ATTENTION_TOL, random_tensor
+from tests.kernels.conftest import ATTENTION_TOL, KernelRecorder, random_tensor
 
 # group (= num_heads // num_kv_heads), num_kv_heads, head_dim: GQA 1/4/8, head dims 64/128,
 # few heads so the interpreter runs a 3k-token sequence in seconds.
@@ -59,24 +57,11 @@ def test_prefill_one_long_chunk_among_short_ones(
     _close(out, paged_prefill_attention_ref(q, kv_cache, *lengths, head_dim**-0.5))
 
 
-class _Recorder:
-    """Stands in for a kernel: records the grid and arguments of each launch."""
-
-    def __init__(self) -> None:
-        self.launches: list[tuple[tuple[int, ...], tuple[Any, ...]]] = []
-
-    def __getitem__(self, grid: tuple[int, ...]):
-        def launch(*args: Any, **kwargs: Any) -> None:
-            self.launches.append((grid, args))
-
-        return launch
-
-
 def test_a_16k_sequence_among_63_short_ones_is_spread(monkeypatch, device):
     """Batch 64, block tables 16k tokens wide: the long sequence gets 16 programs per KV
     head of 1024 tokens each (the old heuristic gave it one of 16k: the step's tail), and
     the grid is the same whatever the lengths are (a CUDA graph replays it)."""
-    decode, combine = _Recorder(), _Recorder()
+    decode, combine = KernelRecorder(), KernelRecorder()
     monkeypatch.setattr(paged_attention, "_paged_decode_kernel", decode)
     monkeypatch.setattr(paged_attention, "_combine_splits_kernel", combine)
     num_seqs, num_kv_heads, head_dim, page = 64, 8, 128, 16

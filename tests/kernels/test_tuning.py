@@ -12,14 +12,24 @@ import triton
 from gpu_worker.attention.backend import attention_variants
 from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from gpu_worker.attention.triton_backend import TritonAttentionBackend
+from kernels import paged_attention, prefill_attention
 from kernels.paged_attention import (
     DECODE_TUNE_KEY,
+    DECODE_UNSPECIALIZED,
     batch_bucket,
     choose_split_size,
     decode_context,
+    paged_decode_attention,
 )
-from kernels.prefill_attention import PREFILL_TUNE_KEY, choose_block_m, tokens_bucket
+from kernels.prefill_attention import (
+    PREFILL_TUNE_KEY,
+    PREFILL_UNSPECIALIZED,
+    choose_block_m,
+    paged_prefill_attention,
+    tokens_bucket,
+)
 from kernels.tuning import decode_tune_shapes, powers_of_two, prefill_tune_shapes
+from tests.kernels.conftest import KernelRecorder
 
 
 @dataclass(frozen=True)
@@ -149,3 +159,39 @@ def test_tuning_launches_are_valid_kernel_launches(device: torch.device) -> None
         )
         expected += len(prefill_tune_shapes(max_num_batched_tokens=40, group_pad=4))
     assert launches == expected
+
+
+def test_ints_that_vary_between_steps_are_not_specialized(monkeypatch, make_paged_batch):
+    """Launch both kernels on steps of different sizes and contexts: every int argument that
+    differs between them is one Triton does not specialize on (else a step could hit an
+    uncompiled variant after start-up tuning and compile on a request)."""
+    decode, prefill = KernelRecorder(), KernelRecorder()
+    monkeypatch.setattr(paged_attention, "_paged_decode_kernel", decode)
+    monkeypatch.setattr(paged_attention, "_combine_splits_kernel", KernelRecorder())
+    monkeypatch.setattr(prefill_attention, "_paged_prefill_kernel", prefill)
+    for query_lens, context_lens, window in (([1], [0], None), ([1] * 5, [300] * 5, 9)):
+        for decodes in (True, False):
+            lens = query_lens if decodes else [n + 16 for n in query_lens]
+            kv_cache, meta = make_paged_batch(lens, context_lens, 2, 16, torch.float32)
+            q = torch.zeros(sum(lens), 4, 16, device=kv_cache.device)
+            if decodes:
+                paged_decode_attention(
+                    q, kv_cache, meta.block_tables, meta.seq_lens, 1.0, window=window
+                )
+            else:
+                args = (meta.block_tables, meta.query_start_loc, meta.seq_lens)
+                paged_prefill_attention(
+                    q, kv_cache, *args, meta.context_lens, meta.max_query_len, 1.0, window=window
+                )
+    for recorder, kernel, unspecialized in (
+        (decode, paged_attention._paged_decode_kernel_tuned, DECODE_UNSPECIALIZED),
+        (prefill, prefill_attention._paged_prefill_kernel_tuned, PREFILL_UNSPECIALIZED),
+    ):
+        (_, first), (_, second) = recorder.launches
+        varying = {
+            name
+            for name, a, b in zip(kernel.arg_names, first, second, strict=False)
+            if isinstance(a, int) and a != b
+        }
+        assert varying
+        assert varying <= set(unspecialized)

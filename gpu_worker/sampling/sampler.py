@@ -18,6 +18,7 @@ their candidates.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -98,7 +99,7 @@ class Sampler:
         aborted or preempted); a preempted request takes a new row when it samples again."""
         self.penalties.release(request_ids)
 
-    def sample(self, logits: torch.Tensor, states: list[SamplingRequest]) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, states: Sequence[SamplingRequest]) -> SamplerOutput:
         """Sample one token per row of `logits` ([n, >= vocab_size]) for `states[row]`."""
         # Columns past vocab_size are padding of the embedding table, never real tokens.
         logits = logits[:, : self.vocab_size]
@@ -158,7 +159,7 @@ class Sampler:
     def _upload(self, values: list | tuple, dtype: torch.dtype) -> torch.Tensor:
         return upload(values, dtype, self.device)
 
-    def _min_tokens_bans(self, states: list[SamplingRequest]) -> list[tuple[int, int]]:
+    def _min_tokens_bans(self, states: Sequence[SamplingRequest]) -> list[tuple[int, int]]:
         """(row, token) pairs to mask: EOS and stop ids of rows still short of min_tokens."""
         bans: list[tuple[int, int]] = []
         for row, s in enumerate(states):
@@ -181,7 +182,7 @@ class Sampler:
             index = (self._upload(rows, torch.long), self._upload(cols, torch.long))
             x.index_put_(index, self._upload(vals, torch.float32), accumulate=True)
 
-    def _sample_random(self, x: torch.Tensor, states: list[SamplingRequest]) -> torch.Tensor:
+    def _sample_random(self, x: torch.Tensor, states: Sequence[SamplingRequest]) -> torch.Tensor:
         """Temperature, min-p, top-k and top-p on `x` ([m, vocab], every row sampled, in
         place), then one draw per row: over its candidates for a truncated row, over the
         vocabulary otherwise."""

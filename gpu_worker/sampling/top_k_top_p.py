@@ -1,18 +1,19 @@
 """Top-k and top-p on a bounded candidate set instead of a sort of the whole vocabulary.
 
-Each truncated row keeps its K best logits (`torch.topk`): K is the largest top_k in the
-batch, or `CANDIDATES` for rows with top_p alone. Top-k keeps the candidates at or above
-the row's k-th value; top-p then keeps the smallest head of the candidates whose mass
-reaches top_p, the mass measured against the row's whole distribution after top-k (the
-k candidates, or the full vocabulary for a row without top_k). Only a row with top_p alone
-whose K candidates hold less than top_p of its mass needs more than them (a flat
-distribution): `overflow` names those rows, and `apply_top_p_full` runs the full sort on
-them only, as every top-p row did before.
+Each truncated row keeps its K best logits (`torch.topk`): K covers the batch's largest
+top_k plus `TIE_MARGIN` and, if a row has top_p alone, `CANDIDATES`. Top-k keeps the
+candidates at or above the row's k-th value, ties included, as a mask of the vocabulary
+would; top-p then keeps the smallest head of the candidates whose mass reaches top_p,
+the mass measured against the row's whole distribution after top-k (its top-k, or the
+full vocabulary for a row without top_k). Only a row with top_p alone whose K candidates
+hold less than top_p of its mass needs more than them (a flat distribution): `overflow`
+names those rows, and `apply_top_p_full` runs the full sort on them only, as every top-p
+row did before.
 
-Candidates are put in one canonical order, logit descending then token id ascending (the
-stable sort of the whole vocabulary, restricted to them), so which tied token is cut and
-what a seeded draw picks depend on the row's own logits only, never on K, which the
-other rows of the batch set.
+The nucleus is cut in the stable sort's order (logit descending, then token id), and the
+kept candidates come back in token-id order, the order of a draw over the vocabulary. So
+what a row keeps, and what a seeded draw picks among it, depend on the row's own logits,
+not on K, which the other rows of the batch set, nor on whether the row fell back.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from gpu_worker.sampling.upload import upload
 CANDIDATES = 1024
 """Candidates per top-p row without top_k: enough for the nucleus of a language model's
 next-token distribution at usual temperatures; flatter rows fall back to the full sort."""
+TIE_MARGIN = 64
+"""Candidates past a row's top_k, so that the tokens tied with its k-th value (common in
+bf16 logits) are all among them, whatever K the rest of the batch sets."""
 
 
 @dataclass
@@ -35,7 +39,7 @@ class Candidates:
     logits: torch.Tensor
     """[m, K] fp32: the kept candidates' logits, -inf for the ones cut."""
     token_ids: torch.Tensor
-    """[m, K] int64: their token ids."""
+    """[m, K] int64: their token ids, ascending along each row."""
     overflow: list[int]
     """Rows whose nucleus runs past the candidates: sample them over the full vocabulary
     after `apply_top_p_full`."""
@@ -51,8 +55,9 @@ def top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> Candid
     m, vocab = x.shape
     device = x.device
     has_k = [0 < k < vocab for k in top_k]
-    width = min(vocab, max(k if on else CANDIDATES for k, on in zip(top_k, has_k, strict=True)))
-    logits, token_ids = _canonical_top(x, width)
+    needs = [k + TIE_MARGIN if on else CANDIDATES for k, on in zip(top_k, has_k, strict=True)]
+    width = min(vocab, max(needs))
+    logits, token_ids, by_value = _top(x, width)
 
     if any(has_k):
         # The k-th value, and every candidate tied with it, stays (as a mask of x < kth
@@ -81,7 +86,9 @@ def top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> Candid
             # rows: which of them the candidates do not cover.
             short = (cum[:, -1] < p).tolist()
             overflow = [row for row in open_rows if short[row]]
-    return Candidates(logits, token_ids, overflow)
+    # Back to token-id order for the draw.
+    by_id = torch.empty_like(logits).scatter_(1, by_value, logits)
+    return Candidates(by_id, token_ids, overflow)
 
 
 def apply_top_p_full(x: torch.Tensor, top_p: list[float]) -> None:
@@ -95,13 +102,14 @@ def apply_top_p_full(x: torch.Tensor, top_p: list[float]) -> None:
     x.masked_fill_(drop, -torch.inf)
 
 
-def _canonical_top(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `width` largest logits of each row and their ids, logit descending, ties by
-    ascending id (topk leaves the order of ties to its implementation)."""
+def _top(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The `width` largest logits of each row in the stable sort's order (logit descending,
+    ties by ascending id; topk leaves the order of ties to its implementation), their ids
+    ascending, and where each of the first sits among the second."""
     values, ids = torch.topk(x, width, dim=-1)
     ids, by_id = ids.sort(dim=-1)
     values, by_value = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
-    return values, ids.gather(1, by_value)
+    return values, ids, by_value
 
 
 def _row_log_mass(x: torch.Tensor, logits: torch.Tensor, has_k: list[bool]) -> torch.Tensor:

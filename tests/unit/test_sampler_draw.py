@@ -14,7 +14,7 @@ import gpu_worker.sampling.draw as draw_module
 from gpu_worker.core.sequence import Sequence
 from gpu_worker.sampling.draw import draw, seeded_uniform
 from gpu_worker.sampling.sampler import Sampler, new_sampler_state
-from gpu_worker.sampling.top_k_top_p import CANDIDATES
+from gpu_worker.sampling.top_k_top_p import CANDIDATES, top_k_top_p
 from shared.sampling import SamplingParams
 
 CPU = torch.device("cpu")
@@ -91,17 +91,22 @@ def test_seeded_draws_follow_the_distribution() -> None:
         assert _chi2(counts, probs) < 26.1  # p = 0.001, 7 degrees of freedom
 
 
-def _seeded_tokens(neighbours: list[dict[str, Any]], row: int, steps: int = 8) -> list[int]:
+def _seeded_tokens(
+    neighbours: list[dict[str, Any]],
+    row: int,
+    steps: int = 8,
+    vocab: int = 2 * CANDIDATES,
+    scale: float = 3.0,
+) -> list[int]:
     """A seeded top-p request's tokens at `row` among `neighbours`, on tied (bf16) logits
-    over a vocabulary wider than the candidate set."""
-    vocab = 2 * CANDIDATES
+    N(0, scale^2) over a vocabulary wider than the candidate set."""
     target = _seq(temperature=1.0, top_p=0.9, seed=2024)
     sampler = Sampler(vocab, CPU, eos_token_ids=[0])
     tokens = []
     for step in range(steps):
         gen = torch.Generator().manual_seed(step)
         logits = (torch.randn(len(neighbours) + 1, vocab, generator=gen) * 3).bfloat16().float()
-        mine = (torch.randn(vocab, generator=gen.manual_seed(100 + step)) * 3).bfloat16()
+        mine = (torch.randn(vocab, generator=gen.manual_seed(100 + step)) * scale).bfloat16()
         seqs = [_seq(**params) for params in neighbours]
         seqs.insert(row, target)
         logits[row] = mine.float()
@@ -123,3 +128,16 @@ def test_a_seeded_request_ignores_its_batch_and_the_candidate_width() -> None:
     ]
     for i, others in enumerate(neighbours):
         assert _seeded_tokens(others, i % (len(others) + 1)) == alone, others
+
+
+def test_a_seeded_row_draws_the_same_whether_or_not_it_falls_back() -> None:
+    # Flatter logits: 1,024 candidates hold less than 0.9 of a row's mass, the 1,964 that
+    # a top_k = 1900 neighbour brings hold more. Alone, the row takes the full sort;
+    # beside that neighbour, its candidates: the same tokens either way.
+    vocab, scale = 4 * CANDIDATES, 1.6
+    row = (torch.randn(1, vocab, generator=torch.Generator().manual_seed(100)) * scale).bfloat16()
+    assert top_k_top_p(row.float(), [0], [0.9]).overflow == [0]
+    assert top_k_top_p(row.float().expand(2, vocab), [0, 1900], [0.9, 1.0]).overflow == []
+    alone = _seeded_tokens([], 0, vocab=vocab, scale=scale)
+    assert len(set(alone)) > 4
+    assert _seeded_tokens([{"top_k": 1900}], 0, vocab=vocab, scale=scale) == alone

@@ -88,12 +88,18 @@ def test_ties_at_the_boundaries_are_kept_or_cut_as_the_stable_sort_does() -> Non
 
 
 def test_the_candidates_of_a_row_do_not_depend_on_the_other_rows() -> None:
-    # K is the batch's largest top_k; a row's kept tokens and their order must not change.
+    # K follows the batch's largest top_k; a row's kept tokens, their logits and their
+    # order (token ids ascending) must not change with it, ties included.
     x = _logits([5.0], seed=2).to(torch.bfloat16).float()
-    alone = top_k_top_p(x.clone(), [0], [0.9])
-    beside = top_k_top_p(torch.cat([x, x]), [0, 2900], [0.9, 1.0])
-    width = int(alone.logits.isfinite().sum())
-    assert width > 1
-    assert torch.equal(alone.token_ids[0, :width], beside.token_ids[0, :width])
-    assert torch.equal(alone.logits[0, :width], beside.logits[0, :width])
-    assert not beside.logits[0, width:].isfinite().any()
+    # Five more tokens tied with the 50th value: the tie straddles top_k = 50.
+    x[0, [7, 300, 1200, 2000, 3000]] = x[0].topk(50).values[-1]
+    for top_k, top_p in ((0, 0.9), (50, 1.0), (50, 0.8)):
+        alone = top_k_top_p(x.clone(), [top_k], [top_p])
+        beside = top_k_top_p(torch.cat([x, x]), [top_k, 2900], [top_p, 1.0])
+        kept_alone = alone.logits[0].isfinite()
+        kept_beside = beside.logits[0].isfinite()
+        assert int(kept_alone.sum()) > 1
+        ids = alone.token_ids[0, kept_alone]
+        assert ids.tolist() == sorted(ids.tolist())
+        assert torch.equal(ids, beside.token_ids[0, kept_beside])
+        assert torch.equal(alone.logits[0, kept_alone], beside.logits[0, kept_beside])

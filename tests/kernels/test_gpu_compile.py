@@ -48,6 +48,8 @@ def build(kernel, dtype, num_warps=4, num_stages=3, pointers=None, **consts):
             signature[name] = types.get(name, "*" + dtype)
         else:
             signature[name] = "fp32" if name in FLOAT_ARGS else "i32"
+        if name in fn.do_not_specialize:
+            continue
         if name.endswith("_ptr") or name.startswith("stride_"):
             attrs[(i,)] = [["tt.divisibility", 16]]  # as a real launch specializes them
     src = ASTSource(fn, signature, constexprs=consts, attrs=attrs)

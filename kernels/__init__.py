@@ -6,6 +6,7 @@
 - `rms_norm`          RMSNorm and fused residual-add + RMSNorm
 - `rotary`            rotary embedding from precomputed cos/sin tables (HF rotate_half)
 - `activation`        SiLU-and-mul over the fused gate/up projection
+- `tuning`            the shapes the attention autotuners run over at start-up, one per key
 
 Launchers run on CUDA tensors, or on CPU tensors when Triton's interpreter is on
 (`TRITON_INTERPRET=1`, set before triton is imported: `@triton.jit` picks the interpreter at

@@ -87,8 +87,9 @@ decode = dict(decode, BLOCK_N=64)
 # SOFTCAP 0 is off; Gemma 2's attention cap is 50.
 for splits, window, softcap in ((1, False, 0.0), (4, False, 0.0), (1, True, 0.0),
                                 (4, True, 0.0), (1, False, 50.0), (4, True, 50.0)):
-    build(paged_attention._paged_decode_kernel, "bf16", SINGLE_SPLIT=splits == 1,
-          HAS_WINDOW=window, SOFTCAP=softcap, **decode)
+    ttgir = build(paged_attention._paged_decode_kernel, "bf16", SINGLE_SPLIT=splits == 1,
+                  HAS_WINDOW=window, SOFTCAP=softcap, **decode)
+    print("decode-variant pipeline 3", *pipelining(ttgir), flush=True)
 build(paged_attention._combine_splits_kernel, "bf16", SPLITS_PAD=8, HEAD_DIM=128)
 prefill = dict(prefill, BLOCK_N=64)
 for window in (False, True):
@@ -132,7 +133,7 @@ def test_kernels_compile_for_sm90():
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     assert result.stdout.count("compiled") == 23 + 6 + 12, result.stdout
     pipelines = [line.split() for line in result.stdout.splitlines() if "pipeline" in line]
-    assert len(pipelines) == 6 + 12
+    assert len(pipelines) == 6 + 12 + 6  # decode and prefill configs, decode variants
     for kernel, _, stages, buffers, in_flight in pipelines:
         if int(stages) >= 3:
             # Multi-buffered: tile i + 1 (and i + 2 at 4 stages) loads while tile i computes,

@@ -24,12 +24,15 @@ from gpu_worker.core.kv_cache import KVCacheManager
 from gpu_worker.core.scheduler import ScheduledSequence, Scheduler
 from gpu_worker.core.sequence import FinishReason, Sequence
 from gpu_worker.engine.errors import RequestRejected
+from gpu_worker.engine.profile_sampling import profile_sampling
 from gpu_worker.loader import load_model
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.ops.layer_ops import get_layer_ops
 from gpu_worker.runner.device import resolve_device, resolve_dtype
+from gpu_worker.runner.kv_budget import MemoryUse
 from gpu_worker.runner.kv_caches import create_kv_caches
 from gpu_worker.runner.model_runner import ModelRunner
+from gpu_worker.runner.profiling import CudaMemoryProbe, ProfileShapes, profile_memory
 from gpu_worker.sampling.prompt_logprobs import record_prompt_logprobs, score_prompt_rows
 from gpu_worker.sampling.sampler import Sampler, SamplerOutput, new_sampler_state
 from gpu_worker.sampling.structured import RequestMatcher, StructuredOutputs
@@ -96,7 +99,11 @@ class Engine:
         self.eos_token_ids = list(mc.eos_token_ids)
         self.max_model_len = max_model_len(config, mc)
 
-        kv_caches = create_kv_caches(mc, config, self.device, self.dtype)
+        # The sampler first: on CUDA its buffers are part of what the profile measures.
+        self.sampler = Sampler(mc.vocab_size, self.device, self.eos_token_ids)
+        graph_batch_size = decode_graph_batch_size(config, self.device, backend_name)
+        memory = self._profile_memory(graph_batch_size, autotunes=backend_name == "triton")
+        kv_caches = create_kv_caches(mc, config, self.device, self.dtype, memory)
         self.kv = KVCacheManager(
             CacheConfig(
                 block_size=config.block_size,
@@ -118,15 +125,50 @@ class Engine:
         self.runner = ModelRunner(
             self.model, attn_backend, kv_caches, config.block_size, self.device
         )
-        graph_batch_size = decode_graph_batch_size(config, self.device, backend_name)
+        # Every autotuner runs now, on the real cache, so that no request waits for one;
+        # before the graphs, whose capture must not tune.
+        attn_backend.tune(
+            mc,
+            kv_caches[0],
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+        )
         if graph_batch_size is not None:
             self.runner.capture_decode_graphs(graph_batch_size, self.max_model_len)
-        self.sampler = Sampler(mc.vocab_size, self.device, self.eos_token_ids)
         self.structured = StructuredOutputs(source, mc.vocab_size, self.eos_token_ids)
         self.structured.start_loading()
         self.model_card = self._model_card(source)
         self._num_steps = 0
         self._offline_ids = itertools.count()
+
+    def _profile_memory(self, graph_batch_size: int | None, *, autotunes: bool) -> MemoryUse | None:
+        """On CUDA without an explicit `kv_cache_memory_gb`, what the largest steps, the
+        autotuner and the decode graphs need beside the KV cache (a profiling run); None
+        elsewhere: CPU keeps its fixed default and pays no profiling forward at start-up."""
+        config = self.config
+        if self.device.type != "cuda" or config.kv_cache_memory_gb is not None:
+            return None
+        shapes = ProfileShapes(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            block_size=config.block_size,
+            graph_batch_size=graph_batch_size,
+        )
+        sampling = profile_sampling(
+            self.sampler, self.model.compute_logits, self.vocab_size, config.block_size
+        )
+        return profile_memory(
+            self.model,
+            self.model_config,
+            shapes,
+            sampling,
+            CudaMemoryProbe(self.device),
+            dtype=self.dtype,
+            device=self.device,
+            autotunes=autotunes,
+        )
 
     def _model_card(self, source: ModelSource) -> ModelCard:
         mc = self.model_config

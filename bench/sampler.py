@@ -1,9 +1,18 @@
-"""The batched sampler with and without allowed_token_ids / bad_words, and its plain batch
-against the sampler of an earlier commit, all in one process.
+"""The batched sampler against the one before issue 18 (kept below as the baseline), all
+in one process, in two modes.
 
-One step of a batch of 32 sequences (vocab 49,152, fp32 logits, 64 output tokens each):
-- sampled: every row samples at temperature 0.8 (no top-k/p: their sort would hide the
-  rest), no token filter;
+`--mode large` (issue 18): one step of a batch of 64 sequences over a 128,256-token
+vocabulary (Llama 3's), fp32 logits N(0, 4^2) per token (the top 1,024 hold about 94% of a
+row's mass, as a language model's next-token distribution holds most of it in a few
+hundred tokens), 128-token prompts, 256 output tokens each and one more after every call:
+greedy (the argmax shortcut), plain sampling at temperature 0.8, top-k 50, top-p 0.9,
+top-k 50 + top-p 0.9, the three penalties, seeded rows (plain, then with top-p 0.9), and
+top-p 0.9 on flat logits N(0, 1) (every row's nucleus runs past its candidates: the
+fallback's worst case).
+
+`--mode filters`: one step of a batch of 32 sequences (vocab 49,152, 64 output tokens
+each):
+- sampled: every row samples at temperature 0.8 (no top-k/p), no token filter;
 - greedy: every row greedy, no token filter (the argmax fast path);
 - filtered: the same batch where 8 rows take `allowed_token_ids` (256 ids) and 8 others
   take 64 bad words (32 one-token, 32 of two or three tokens, two of whose prefixes end
@@ -15,58 +24,156 @@ One step of a batch of 32 sequences (vocab 49,152, fp32 logits, 64 output tokens
   filtered greedy batch;
 - and the design choice behind allowed_token_ids: adding a 0/-inf bias to 8 rows with
   `index_add_` vs selecting them, a bool `masked_fill_` and `index_copy_` back.
-The baseline is `gpu_worker/sampling/sampler.py` as of `--baseline` (git), loaded beside
-the current one, on the unfiltered batches. Each round calls every case once; the median
-call of `--rounds` rounds per case (the order reversed every other round).
 
-    python bench/sampler.py --baseline e18e728 [--rounds 200] [--device cpu] [--no-write]
+Each round calls every case once; the median call of `--rounds` rounds per case (the
+order reversed every other round).
+
+    python bench/sampler.py --mode large [--rounds 12] [--device cpu] [--no-write]
+    python bench/sampler.py --mode filters [--rounds 200] [--device cpu] [--no-write]
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import os
 import platform
 import random
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
-from types import ModuleType
+from collections.abc import Sequence as Rows
 from typing import Any
 
 import torch
 from results_md import command_line, write_section
 
 from gpu_worker.core.sequence import Sequence
-from gpu_worker.sampling.sampler import Sampler, new_sampler_state
+from gpu_worker.sampling.penalties import PenalizedRequest
+from gpu_worker.sampling.sampler import Sampler, SamplingRequest, new_sampler_state
+from gpu_worker.sampling.upload import upload
 from shared.sampling import SamplingParams
 
-ROOT = Path(__file__).resolve().parents[1]
 BATCH = 32
 VOCAB = 49_152
 EOS = 2
 
 
-def baseline_module(rev: str) -> ModuleType:
-    """The sampler module as of `rev`, imported under another name beside the current one."""
-    source = subprocess.run(
-        ["git", "show", f"{rev}:gpu_worker/sampling/sampler.py"],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    spec = importlib.util.spec_from_loader("baseline_sampler", loader=None)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through it
-    exec(compile(source, f"{rev}:sampler.py", "exec"), module.__dict__)
-    return module
+class DensePenalties:
+    """The baseline's penalties: a dense [n, vocab] count table rebuilt each step from
+    every output token of every penalized row, and a stack of cached prompt masks."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self._prompt_masks: dict[str, torch.Tensor] = {}
+
+    def release(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._prompt_masks.pop(request_id, None)
+
+    def apply(
+        self, x: torch.Tensor, batch_rows: list[int], requests: list[PenalizedRequest]
+    ) -> None:
+        n, vocab = x.shape
+        rows: list[int] = []
+        cols: list[int] = []
+        for row, s in zip(batch_rows, requests, strict=True):
+            rows.extend([row] * len(s.output_token_ids))
+            cols.extend(s.output_token_ids)
+        counts = torch.zeros(n, vocab, dtype=torch.float32, device=x.device)
+        if rows:
+            index = (upload(rows, torch.long, self.device), upload(cols, torch.long, self.device))
+            counts.index_put_(index, torch.ones(len(rows), device=x.device), accumulate=True)
+        in_output = counts > 0
+        rep, freq, presence = [1.0] * n, [0.0] * n, [0.0] * n
+        for row, s in zip(batch_rows, requests, strict=True):
+            rep[row] = s.sampling.repetition_penalty
+            freq[row] = s.sampling.frequency_penalty
+            presence[row] = s.sampling.presence_penalty
+        if any(r != 1.0 for r in rep):
+            masks = [torch.zeros(vocab, dtype=torch.bool, device=x.device)] * n
+            for row, s in zip(batch_rows, requests, strict=True):
+                if rep[row] != 1.0:
+                    masks[row] = self._prompt_mask(s)
+            seen = torch.stack(masks) | in_output
+            penalty = upload(rep, torch.float32, self.device)[:, None].expand(n, vocab)
+            penalized = torch.where(x > 0, x / penalty, x * penalty)
+            x.copy_(torch.where(seen, penalized, x))
+        f = upload(freq, torch.float32, self.device)
+        p = upload(presence, torch.float32, self.device)
+        x.sub_(f[:, None] * counts + p[:, None] * in_output)
+
+    def _prompt_mask(self, request: PenalizedRequest) -> torch.Tensor:
+        mask = self._prompt_masks.get(request.request_id)
+        if mask is None:
+            mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+            mask[upload(request.prompt_token_ids, torch.long, self.device)] = True
+            self._prompt_masks[request.request_id] = mask
+        return mask
+
+
+class BaselineSampler(Sampler):
+    """The sampler before issue 18: `DensePenalties`; top-k by a mask of the whole
+    vocabulary and top-p by its stable sort; an exponential race over the vocabulary whose
+    seeded rows draw one by one from their own `torch.Generator`. What issue 18 left alone
+    (masks, bias, logprobs) is the current code, so the two differ only where it changed."""
+
+    def __init__(self, vocab_size: int, device: torch.device, eos_token_ids: list[int]) -> None:
+        super().__init__(vocab_size, device, eos_token_ids)
+        self.penalties = DensePenalties(vocab_size, self.device)  # type: ignore[assignment]
+        self._generators: dict[str, torch.Generator] = {}
+
+    def _generator(self, request: SamplingRequest) -> torch.Generator | None:
+        seed = request.sampling.seed
+        if seed is None:
+            return None
+        generator = self._generators.get(request.request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed)
+            self._generators[request.request_id] = generator
+        return generator
+
+    def _sample_random(self, x: torch.Tensor, states: Rows[SamplingRequest]) -> torch.Tensor:
+        params = [s.sampling for s in states]
+        x = x / self._upload([p.temperature for p in params], torch.float32)[:, None]
+        min_p = [p.min_p for p in params]
+        if any(m > 0.0 for m in min_p):
+            probs = torch.softmax(x, dim=-1)
+            floor = self._upload(min_p, torch.float32)[:, None] * probs.amax(-1, keepdim=True)
+            x.masked_fill_(probs < floor, float("-inf"))
+        top_k = [p.top_k if 0 < p.top_k < self.vocab_size else 0 for p in params]
+        if any(top_k):
+            values = torch.topk(x, max(top_k), dim=-1).values
+            kth = values.gather(
+                1, self._upload([max(k, 1) - 1 for k in top_k], torch.long)[:, None]
+            )
+            kth.masked_fill_(self._upload([k == 0 for k in top_k], torch.bool)[:, None], -torch.inf)
+            x.masked_fill_(x < kth, float("-inf"))
+        top_p = [p.top_p for p in params]
+        if any(p < 1.0 for p in top_p):
+            sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
+            sorted_probs = torch.softmax(sorted_x, dim=-1)
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            drop_sorted = mass_before >= self._upload(top_p, torch.float32)[:, None]
+            drop_sorted &= self._upload([p < 1.0 for p in top_p], torch.bool)[:, None]
+            drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+            x.masked_fill_(drop, float("-inf"))
+        probs = torch.softmax(x, dim=-1)
+        q = torch.ones_like(probs)
+        generators = [self._generator(s) for s in states]
+        if any(g is None for g in generators):
+            _exponential_(q)
+        for row, generator in enumerate(generators):
+            if generator is not None:
+                q[row] = _exponential_(torch.empty(x.shape[1], device=x.device), generator)
+        q.clamp_min_(torch.finfo(torch.float32).tiny)
+        return (probs / q).max(dim=-1).indices
+
+
+def _exponential_(t: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    return t.uniform_(generator=generator).neg_().log1p_().neg_()
 
 
 def batch(
@@ -109,25 +216,147 @@ def call_s(fn: Callable[[], object], sync: Callable[[], None], clock: Callable[[
     return clock() - start
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--baseline", required=True, help="git revision of the old sampler")
-    parser.add_argument("--rounds", type=int, default=200)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--no-write", action="store_true", help="do not update RESULTS.md")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    device = torch.device(args.device)
+def median_ms(
+    cases: dict[str, Callable[[], object]],
+    rounds: int,
+    sync: Callable[[], None],
+    clock: Callable[[], float],
+) -> dict[str, float]:
+    """The median call of each case over `rounds` rounds."""
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for fn in cases.values():  # warm up
+        fn()
+    # One call of each case per round, so load drifting on a shared machine hits every
+    # case alike, in reverse order every other round, so no case always follows the same
+    # one; the median call per case.
+    order = list(cases.items())
+    for _ in range(rounds):
+        for name, fn in order:
+            times[name].append(call_s(fn, sync, clock))
+        order.reverse()
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
+def machine(device: torch.device) -> str:
+    clock_name = "wall time" if device.type == "cuda" else "thread CPU time"
+    return (
+        f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, 1 torch "
+        f"thread, device {device}, {clock_name}, load average "
+        f"{' / '.join(f'{x:.1f}' for x in os.getloadavg())} at the end"
+    )
+
+
+LARGE_BATCH = 64
+LARGE_VOCAB = 128_256
+LARGE_CASES: dict[str, dict[str, Any]] = {
+    "greedy (argmax shortcut)": {"temperature": 0.0},
+    "temperature 0.8": {"temperature": 0.8},
+    "top-k 50": {"temperature": 0.8, "top_k": 50},
+    "top-p 0.9": {"temperature": 1.0, "top_p": 0.9},
+    "top-k 50 + top-p 0.9": {"temperature": 0.8, "top_k": 50, "top_p": 0.9},
+    "penalties (repetition 1.1, frequency 0.5, presence 0.5)": {
+        "temperature": 0.8,
+        "repetition_penalty": 1.1,
+        "frequency_penalty": 0.5,
+        "presence_penalty": 0.5,
+    },
+    "seeded": {"temperature": 0.8, "seed": 0},
+    "seeded + top-p 0.9": {"temperature": 1.0, "top_p": 0.9, "seed": 0},
+    "top-p 0.9, flat logits (all rows fall back)": {"temperature": 1.0, "top_p": 0.9},
+}
+
+
+def large_batch(device: torch.device, fields: dict[str, Any]) -> list[Sequence]:
+    """64 sequences with `fields`, each its own seed when seeded; the same every call."""
+    rng = random.Random(0)
+    seqs = []
+    for row in range(LARGE_BATCH):
+        row_fields = dict(fields)
+        if "seed" in row_fields:
+            row_fields["seed"] = 1000 + row
+        params = SamplingParams(max_tokens=100_000, **row_fields)
+        prompt = [rng.randrange(LARGE_VOCAB) for _ in range(128)]
+        seq = Sequence(f"r{row}", prompt, params, sampler_state=new_sampler_state(params, device))
+        for _ in range(256):
+            seq.append_token(rng.randrange(LARGE_VOCAB))
+        seqs.append(seq)
+    return seqs
+
+
+def run_large(args: argparse.Namespace, device: torch.device) -> str:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    # On CPU, the thread's own CPU time: with one torch thread it is all the work, and
-    # other jobs on a shared machine do not count in it as they do in wall time.
+    clock = time.perf_counter if device.type == "cuda" else time.thread_time
+    gen = torch.Generator().manual_seed(0)
+    peaked = (torch.randn(LARGE_BATCH, LARGE_VOCAB, generator=gen) * 4).to(device)
+    flat = torch.randn(LARGE_BATCH, LARGE_VOCAB, generator=gen).to(device)
+
+    def step(make: Callable[..., Sampler], name: str) -> Callable[[], object]:
+        # A sampler and a batch per case; every call appends the sampled token, as a run
+        # of decode steps does (the penalties' counts grow by one per row per step).
+        sampler = make(LARGE_VOCAB, device, [EOS])
+        seqs = large_batch(device, LARGE_CASES[name])
+        logits = flat if "flat" in name else peaked
+
+        def call() -> object:
+            out = sampler.sample(logits, seqs)
+            for seq, token in zip(seqs, out.token_ids, strict=True):
+                seq.append_token(token)
+            return out
+
+        return call
+
+    cases: dict[str, Callable[[], object]] = {}
+    for name in LARGE_CASES:
+        cases[f"{name}, baseline"] = step(BaselineSampler, name)
+        cases[name] = step(Sampler, name)
+    ms = median_ms(cases, args.rounds, sync, clock)
+    table = [
+        f"| {name} | {ms[name + ', baseline']:.2f} | {ms[name]:.2f} | "
+        f"**{ms[name] / ms[name + ', baseline']:.3f}** |"
+        for name in LARGE_CASES
+    ]
+    print("\n".join(table))
+    return "\n".join(
+        [
+            "## sampler at batch 64 x 128k vocabulary (bench/sampler.py --mode large)",
+            "",
+            f"`{command_line()}` — {machine(device)}; one `Sampler.sample` call on "
+            f"{LARGE_BATCH} x {LARGE_VOCAB:,} fp32 logits, then one token appended to each "
+            f"row (128-token prompts, 256 output tokens to start); every row of a batch "
+            f"takes the options named; logits N(0, 4^2), flat ones N(0, 1). Baseline: the "
+            f"sampler before issue 18, kept in bench/sampler.py (`BaselineSampler`). Each "
+            f"round calls every case once, median call of {args.rounds} rounds. Ratio = "
+            f"this commit / baseline (below 1: faster).",
+            "",
+            "| batch of 64 | baseline ms | this commit ms | ratio |",
+            "|---|---:|---:|---:|",
+            *table,
+            "",
+            "Top-k and top-p keep a row's best logits (`torch.topk`: 1,024 for top-p alone, "
+            "top_k + 64 for top-k) instead of a stable sort of 128k, and a row draws once "
+            "over its candidates from one uniform per row (an inverse CDF), where the "
+            "baseline drew 128k exponentials per row; rows without top-k/p draw the same "
+            "way over the vocabulary. Seeded rows share that one call (their uniform is a "
+            "hash of seed and position), where the baseline ran one generator per row. The "
+            "penalties scatter each step's one new token per row into persistent rows (what "
+            "frequency and presence subtract, and a seen-token mask) and apply them with a "
+            "gather and a subtraction, where the baseline rebuilt dense counts from every "
+            "output token. A flat row, whose nucleus the candidates do not cover, pays the "
+            "top-1,024 and the full sort: the fallback's cost over the baseline's sort "
+            "alone. Greedy runs the same code in both (the argmax shortcut): its ratio is "
+            "the run's noise.",
+        ]
+    )
+
+
+def run_filters(args: argparse.Namespace, device: torch.device) -> str:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     clock = time.perf_counter if device.type == "cuda" else time.thread_time
     rng = random.Random(0)
     logits = torch.randn(BATCH, VOCAB, generator=torch.Generator().manual_seed(0)).to(device)
-    old_sampler = baseline_module(args.baseline).Sampler
 
     def old(batch: list[Sequence]) -> Callable[[], object]:
-        sampler = old_sampler(VOCAB, device, [EOS])
+        sampler = BaselineSampler(VOCAB, device, [EOS])
         return lambda: sampler.sample(logits, batch)
 
     def new(*batches: list[Sequence]) -> Callable[[], object]:
@@ -167,19 +396,8 @@ def main() -> None:
         "greedy, filtered, rebuilt": new(greedy_f, greedy_f[1:] + greedy_f[:1]),
         "greedy, logit_bias": new(greedy_b),
     }
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    for fn in cases.values():  # warm up
-        fn()
-    # One call of each case per round, so load drifting on a shared machine hits every
-    # case alike, in reverse order every other round, so no case always follows the same
-    # one; the median call per case.
-    order = list(cases.items())
-    for _ in range(args.rounds):
-        for name, fn in order:
-            times[name].append(call_s(fn, sync, clock))
-        order.reverse()
-    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-    this_vs_old = "this commit vs baseline"
+    ms = median_ms(cases, args.rounds, sync, clock)
+    this_vs_old = "this commit vs baseline (before issue 18)"
     filtered = "8 rows allowed ids + 8 rows bad words"
     yardstick = "vs greedy, 16 rows logit_bias (the same path off the argmax shortcut)"
     rows = [
@@ -207,17 +425,11 @@ def main() -> None:
         for what, how, a, b in rows
     ]
     print("\n".join(table))
-    clock_name = "wall time" if device.type == "cuda" else "thread CPU time"
-    machine = (
-        f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, 1 torch "
-        f"thread, device {device}, {clock_name}, load average "
-        f"{' / '.join(f'{x:.1f}' for x in os.getloadavg())} at the end"
-    )
-    body = "\n".join(
+    return "\n".join(
         [
             "## sampler (bench/sampler.py)",
             "",
-            f"`{command_line()}` — {machine}; one `Sampler.sample` call on a batch of "
+            f"`{command_line()}` — {machine(device)}; one `Sampler.sample` call on a batch of "
             f"{BATCH} x {VOCAB:,} fp32 logits; each round calls every case once, median "
             f"call of {args.rounds} rounds. Ratio = first / second (below 1: faster).",
             "",
@@ -234,8 +446,27 @@ def main() -> None:
             "(logit_bias, penalties): compare it with logit_bias, not with the shortcut.",
         ]
     )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mode", choices=["large", "filters"], default="large")
+    parser.add_argument("--rounds", type=int, default=None, help="large: 12, filters: 200")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--no-write", action="store_true", help="do not update RESULTS.md")
+    args = parser.parse_args()
+    if args.rounds is None:
+        args.rounds = 12 if args.mode == "large" else 200
+    torch.set_num_threads(1)
+    device = torch.device(args.device)
+    if args.mode == "large":
+        body = run_large(args, device)
+        section = "sampler-large"
+    else:
+        body = run_filters(args, device)
+        section = "sampler"
     if not args.no_write:
-        write_section("sampler", body)
+        write_section(section, body)
 
 
 if __name__ == "__main__":

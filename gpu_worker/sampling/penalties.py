@@ -65,7 +65,8 @@ class _Row:
 
 
 class PenaltyRows:
-    """The persistent count and prompt-mask rows of the live penalized requests."""
+    """The persistent rows (what to subtract, which tokens were seen) of the live
+    penalized requests."""
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size

@@ -137,7 +137,11 @@ def test_mixed_batch_every_constrained_output_parses_and_free_rows_are_untouched
             Constraint(kind="json_object"),
         ),
         (free_prompt, free, None),
-        (free_prompt, SamplingParams(temperature=1.0, seed=4, max_tokens=12), None),
+        (
+            free_prompt,
+            SamplingParams(temperature=1.0, seed=4, max_tokens=12, ignore_eos=True),
+            None,
+        ),
     ]
     outputs = run(engine, requests)
     texts = [tok.decode(ids) for ids, _ in outputs]

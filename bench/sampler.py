@@ -201,7 +201,7 @@ def batch(
         if biased and row < 16:
             fields["logit_bias"] = {rng.randrange(VOCAB): 1.0}
         params = SamplingParams(max_tokens=1000, **fields)
-        seq = Sequence(f"r{row}", prompt, params, sampler_state=new_sampler_state(params, device))
+        seq = Sequence(f"r{row}", prompt, params, sampler_state=new_sampler_state(params))
         for token in output:
             seq.append_token(token)
         seqs.append(seq)
@@ -276,7 +276,7 @@ def large_batch(device: torch.device, fields: dict[str, Any]) -> list[Sequence]:
             row_fields["seed"] = 1000 + row
         params = SamplingParams(max_tokens=100_000, **row_fields)
         prompt = [rng.randrange(LARGE_VOCAB) for _ in range(128)]
-        seq = Sequence(f"r{row}", prompt, params, sampler_state=new_sampler_state(params, device))
+        seq = Sequence(f"r{row}", prompt, params, sampler_state=new_sampler_state(params))
         for _ in range(256):
             seq.append_token(rng.randrange(LARGE_VOCAB))
         seqs.append(seq)

@@ -93,7 +93,8 @@ class EngineConfig:
     """fcfs (arrival order; a request with a non-zero priority is refused) or priority
     (lower values are scheduled first and preempted last; ties in arrival order)."""
     kv_cache_memory_gb: float | None = None
-    """KV cache size in GiB (default: 1 on CPU; on CUDA sized from free memory)."""
+    """KV cache size in GiB (default: 1 on CPU; on CUDA sized by a profiling run of the largest
+    prefill and decode steps, within `gpu_memory_utilization`)."""
     gpu_memory_utilization: float = 0.9
     """Share of GPU memory the worker may use in all: weights, KV cache and activations."""
     attention_backend: str = "auto"

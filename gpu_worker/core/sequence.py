@@ -61,8 +61,8 @@ class Sequence:
     block_size: int = 16
     """Must equal the KV cache's block size: it decides which blocks get hashed."""
     sampler_state: SamplerState = field(default_factory=SamplerState, repr=False)
-    """The sampler's own state for this request (seeded generator, prompt mask, grammar
-    matcher); the sampler reads the params and tokens from the sequence itself."""
+    """The sampler's own state for this request (grammar matcher, token filters, prompt
+    logprobs); the sampler reads the params and tokens from the sequence itself."""
 
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

@@ -201,7 +201,7 @@ class Engine:
             cache_salt=request.cache_salt,
             priority=request.priority,
             block_size=self.config.block_size,
-            sampler_state=new_sampler_state(request.sampling, self.device, matcher),
+            sampler_state=new_sampler_state(request.sampling, matcher),
         )
         self.scheduler.add(seq)
 

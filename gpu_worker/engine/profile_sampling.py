@@ -23,9 +23,11 @@ from shared.sampling import MAX_LOGPROBS, SamplingParams
 
 
 def costliest_params(row: int) -> SamplingParams:
-    """The sampling options of dummy row `row` (seeded on odd rows)."""
+    """The sampling options of dummy row `row` (seeded on odd rows). The high temperature
+    flattens whatever logits the dummy forward gives, so the nucleus overruns the candidate
+    set and every row takes the full-vocabulary sort, the sampler's largest allocation."""
     return SamplingParams(
-        temperature=0.8,
+        temperature=100.0,
         top_p=0.999,
         min_p=0.001,
         repetition_penalty=1.1,
@@ -52,7 +54,7 @@ def profile_sampling(
             hidden[:rows], [0] * rows, [MAX_LOGPROBS] * rows, compute_logits, vocab_size
         )
         requests: list[SamplingRequest] = [
-            _request(row, vocab_size, block_size, sampler.device) for row in range(len(logits))
+            _request(row, vocab_size, block_size) for row in range(len(logits))
         ]
         sampler.sample(logits, requests)
         sampler.release([seq.request_id for seq in requests])
@@ -60,14 +62,14 @@ def profile_sampling(
     return run
 
 
-def _request(row: int, vocab_size: int, block_size: int, device: torch.device) -> Sequence:
+def _request(row: int, vocab_size: int, block_size: int) -> Sequence:
     params = costliest_params(row)
     seq = Sequence(
         request_id=f"profile-{row}",
         prompt_token_ids=[row % vocab_size],
         sampling=params,
         block_size=block_size,
-        sampler_state=new_sampler_state(params, device),
+        sampler_state=new_sampler_state(params),
     )
     # Output tokens, so the penalties count something.
     for token in (row + 1, row + 2):

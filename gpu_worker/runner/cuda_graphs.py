@@ -46,7 +46,8 @@ logger = logging.getLogger(__name__)
 Forward = Callable[[], torch.Tensor]
 
 WARMUP_CONTEXT_TOKENS = 4096
-"""Context length of the warm-up rows the decode kernel autotunes on before capture."""
+"""Context length of the warm-up rows run before capture (should a key have escaped the
+backend's start-up `tune()`, it is tuned on realistic work, never inside a capture)."""
 
 
 def batch_size_buckets(max_batch_size: int) -> list[int]:
@@ -184,8 +185,9 @@ class DecodeGraphRunner:
         """Capture every bucket, largest first so the smaller graphs reuse its memory pool
         (nothing to do without `capture`: `run` then calls the forward directly).
 
-        Each bucket runs eagerly twice first: the Triton launchers compile and autotune then
-        (autotuning benchmarks, which a capture must not), and lazy allocations settle.
+        Each bucket runs eagerly twice first: the Triton launchers compile then (their configs
+        were chosen by the backend's start-up `tune()`; a capture must not benchmark), and
+        lazy allocations settle.
         """
         if not self.capture:
             return

@@ -55,10 +55,10 @@ class SamplingRequest(Protocol):
 
 
 def new_sampler_state(
-    params: SamplingParams, device: torch.device, matcher: RequestMatcher | None = None
+    params: SamplingParams, matcher: RequestMatcher | None = None
 ) -> SamplerState:
-    """A request's state. Nothing in it lives on `device` any more (seeded draws hash the
-    seed, penalty rows belong to the sampler); the argument stays for its callers."""
+    """A request's state. Nothing in it lives on a device: seeded draws hash the seed, and
+    penalty rows belong to the sampler."""
     return SamplerState(
         matcher=matcher,
         token_filter=new_token_filter(params),

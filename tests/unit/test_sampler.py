@@ -19,7 +19,7 @@ _ids = itertools.count()
 def _request(params: SamplingParams, prompt: list[int] | None = None) -> Sequence:
     """A sequence as the engine makes one, with an id of its own: the sampler reads its
     id, params, tokens and sampler state."""
-    state = new_sampler_state(params, CPU)
+    state = new_sampler_state(params)
     return Sequence(f"r{next(_ids)}", list(prompt or []), params, sampler_state=state)
 
 

@@ -23,9 +23,7 @@ _ids = itertools.count()
 
 def _seq(output: list[int] | None = None, **params: Any) -> Sequence:
     sampling = SamplingParams(**params)
-    seq = Sequence(
-        f"d{next(_ids)}", [1, 2], sampling, sampler_state=new_sampler_state(sampling, CPU)
-    )
+    seq = Sequence(f"d{next(_ids)}", [1, 2], sampling, sampler_state=new_sampler_state(sampling))
     seq.output_token_ids.extend(output or [])
     return seq
 

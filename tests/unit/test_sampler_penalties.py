@@ -21,7 +21,7 @@ VOCAB = 40
 def _seq(request_id: str, rng: random.Random, **params: Any) -> Sequence:
     sampling = SamplingParams(temperature=0.0, **params)
     prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 12))]
-    return Sequence(request_id, prompt, sampling, sampler_state=new_sampler_state(sampling, CPU))
+    return Sequence(request_id, prompt, sampling, sampler_state=new_sampler_state(sampling))
 
 
 def _dense_reference(x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -121,7 +121,7 @@ def test_penalties_steer_sampling_over_steps(greedy: bool) -> None:
     # tokens, one per step, as each sampled token is counted at the next step.
     sampler = Sampler(VOCAB, CPU, eos_token_ids=[1])
     params = SamplingParams(temperature=0.0 if greedy else 0.002, presence_penalty=2.0, seed=3)
-    seq = Sequence("walk", [0], params, sampler_state=new_sampler_state(params, CPU))
+    seq = Sequence("walk", [0], params, sampler_state=new_sampler_state(params))
     logits = torch.linspace(1.0, 0.0, VOCAB)[None]  # token 0 most likely, then 1, ...
     for _ in range(6):
         seq.append_token(sampler.sample(logits, [seq]).token_ids[0])

@@ -40,7 +40,7 @@ test: $(STAMP) redis-server
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q --durations=25
 
 # The inner loop: unit tests without the ones marked slow (the first run also builds the
 # C++ CPU kernels once, which takes minutes; later runs reuse the build).

@@ -1,8 +1,7 @@
 """The small hot-path choices the code makes, each timed against the obvious alternative.
 
 Comments in the code say why a choice was made and point here for how much it buys:
-- sampler: Exp(1) draws by inverting the CDF vs `Tensor.exponential_`; `max(dim).indices`
-  vs `argmax` (gpu_worker/sampling/sampler.py);
+- sampler: `max(dim).indices` vs `argmax` for the greedy pick (gpu_worker/sampling/sampler.py);
 - parsers: state enums hashed by identity vs Enum's own `__hash__`
   (render_server/parsing/tool_parsers/json_scan.py);
 - HTTP bodies encoded by msgspec vs FastAPI's `jsonable_encoder` + `json.dumps`
@@ -66,15 +65,8 @@ def compare(choice: Timed, alternative: Timed, repeats: int) -> tuple[float, flo
 
 
 def sampler_pairs() -> list[tuple[str, str, Timed, Timed]]:
-    draws = torch.empty(32, 49_152)
     logits = torch.randn(32, 49_152)
     return [
-        (
-            "Exp(1) draws, 32 x 49,152 fp32",
-            "`uniform_().neg_().log1p_().neg_()` vs `exponential_()`",
-            lambda: draws.uniform_().neg_().log1p_().neg_(),
-            lambda: draws.exponential_(),
-        ),
         (
             "greedy pick, 32 x 49,152 fp32",
             "`max(dim=-1).indices` vs `argmax(dim=-1)`",

@@ -11,7 +11,8 @@
 # bench/random_model.py), then runs four steps, each under its own limit (the LIMITS below),
 # never past BUDGET_S (480 s) in all:
 #   kernel-tests   tests/kernels (the engine tests aside), on CUDA
-#   engine-tests   tests/kernels/test_cuda_graphs.py -m cuda: graphs = eager, Triton ~ torch
+#   engine-tests   tests/kernels/test_cuda_graphs.py tests/unit/test_kv_sizing.py -m cuda:
+#                  graphs = eager, Triton ~ torch, the profiled KV budget holds at 0.95
 #   kernel-bench   bench/kernels.py --quick: decode and prefill against copy bandwidth, SDPA
 #   engine-bench   bench/kernels.py: the engine with and without decode graphs, alternating
 # Results, in $OUT (7 files; a device call returns at most 8): summary.json (each step's
@@ -170,8 +171,10 @@ else
     # skip): those run CPU tensors through Triton, which only the interpreter accepts.
     engine_marks=()
     [ "$DEVICE" = cuda ] && engine_marks=(-m cuda)
+    # With the KV sizing's CUDA tests: the profiled budget at --gpu-memory-utilization 0.95
+    # holds through a max-size prefill and a max-batch decode.
     step engine-tests "${LIMITS[2]}" tests.txt "${pytest[@]}" "${engine_marks[@]}" \
-        tests/kernels/test_cuda_graphs.py
+        tests/kernels/test_cuda_graphs.py tests/unit/test_kv_sizing.py
 fi
 
 # ---- benchmarks -------------------------------------------------------------------------

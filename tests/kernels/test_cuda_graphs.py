@@ -24,6 +24,7 @@ from gpu_worker.runner.cuda_graphs import DecodeGraphRunner, batch_size_buckets
 from gpu_worker.runner.kv_caches import allocate_kv_caches
 from shared.model_source import resolve_model
 from shared.sampling import SamplingParams
+from tests.kernels.conftest import interpreter_only
 
 BLOCK_SIZE = 16
 
@@ -95,6 +96,7 @@ def _decode_step(
     return layout, step
 
 
+@interpreter_only
 def test_padding_rows_leave_the_cache_alone_and_match_eager(tiny_model_dir: Path) -> None:
     model, caches = _model_and_caches(tiny_model_dir, num_blocks=12)
     for cache in caches:
@@ -143,6 +145,7 @@ def test_padding_rows_leave_the_cache_alone_and_match_eager(tiny_model_dir: Path
         torch.testing.assert_close(cache.flatten(1, 2)[:, written], eager.flatten(1, 2)[:, written])
 
 
+@interpreter_only
 def test_steps_too_big_or_not_pure_decode_run_eagerly(tiny_model_dir: Path) -> None:
     model, caches = _model_and_caches(tiny_model_dir, num_blocks=64)
     table = BlockTable(torch.device("cpu"))
@@ -168,6 +171,7 @@ def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(rng.randrange(5, 40))] for _ in range(n)]
 
 
+@interpreter_only
 def test_engine_outputs_equal_with_the_graph_path(tiny_model_dir: Path) -> None:
     """Six requests of different lengths: the batch shrinks through buckets 8, 4, 2 and 1 as
     they finish, every step of it through the static buffers; tokens equal the eager run."""

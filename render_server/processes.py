@@ -147,6 +147,10 @@ class _Supervisor:
                     logger.info(
                         "%s: stopping %d render processes", signal.Signals(sig).name, self._count
                     )
+                    # No child is started from here on. Held open here, the socket would
+                    # go on queueing connections after the last child stops accepting,
+                    # each reset when this process exits; closed, they are refused.
+                    self._listener.close()
                 for child in self._children:
                     if child.process.poll() is None:
                         child.process.send_signal(sig)

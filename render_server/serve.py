@@ -113,6 +113,10 @@ def serve_app(
 # After the drain timeout, how long the stopped streams get to send their error event and
 # terminator before the server closes their connections.
 _STOPPED_STREAMS_GRACE_S = 2.0
+_ACCEPTED_GRACE_S = 0.25
+"""How long a drained process, its listeners closed, lets the connections it has already
+accepted send their request (to be answered 503 "draining") before uvicorn's shutdown closes
+the ones still silent."""
 
 
 class DrainingServer(uvicorn.Server):
@@ -157,7 +161,18 @@ class DrainingServer(uvicorn.Server):
             )
             self._stop_remaining()
             await self._admission.wait_idle(_STOPPED_STREAMS_GRACE_S)
+        await self._stop_accepting()
         self.should_exit = True
+
+    async def _stop_accepting(self) -> None:
+        """Close this process's listeners, then give the connections it accepted last a
+        moment to be answered. uvicorn's shutdown closes a connection that has not sent its
+        request yet, which its client sees as a cut connection rather than the 503; with
+        --processes the socket is shared, so once this process stops accepting, a sibling
+        still draining answers the new connections."""
+        for server in self.servers:
+            server.close()
+        await asyncio.sleep(_ACCEPTED_GRACE_S)
 
 
 def serve(settings: RenderSettings) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import signal
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,7 +15,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import start_render
-from tests.e2e.test_admission import MODEL, assert_sigterm_drains
+from tests.e2e.test_admission import MODEL, _body, _stream_in_background, assert_sigterm_drains
 from tests.helpers.processes import ServerProcess, WorkerProcess, spawn_server, stop_server
 from tests.helpers.waiting import wait_until
 
@@ -103,6 +104,49 @@ def test_sigterm_drains_every_process_then_exits_0(worker_a: WorkerProcess, tmp_
             "the second render process to start",
         )
         assert_sigterm_drains(render, 40)
+    finally:
+        stop_server(render)
+
+
+def test_requests_during_a_multi_process_drain_are_refused_never_cut(
+    worker_a: WorkerProcess, tmp_path
+) -> None:
+    """While one process drains a stream and the other, idle, exits at once: every request
+    sent meanwhile is answered, with the 503 "draining" once the signal has reached the
+    process that takes it, and never by a connection closed without an answer (the idle one
+    used to close connections it had just accepted)."""
+    render = start_render(
+        [worker_a.address], tmp_path / "render.log", ["--processes", "2", "--drain-timeout", "60"]
+    )
+    try:
+        wait_until(
+            lambda: render.log().count("Application startup complete") >= 2,
+            60,
+            "the second render process to start",
+        )
+        thread, out = _stream_in_background(render.base_url, 400)
+        render.process.send_signal(signal.SIGTERM)
+        outcomes: Counter[str] = Counter()
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            try:
+                reply = httpx.post(
+                    f"{render.base_url}/v1/chat/completions", json=_body(4, False), timeout=30
+                )
+            except httpx.TransportError as exc:
+                outcomes[type(exc).__name__] += 1
+                continue
+            # A request that reached a process before the forwarded signal is served.
+            error = reply.json().get("error", {}).get("code") if reply.status_code != 200 else ""
+            outcomes[f"{reply.status_code} {error}".strip()] += 1
+        # Every request went out while the stream still drained: a refused connection
+        # would have been a bug, not the end of the server.
+        assert thread.is_alive(), "the stream ended before the requests did"
+        thread.join(120)
+        assert outcomes["503 draining"] > 0, outcomes
+        assert set(outcomes) <= {"200", "503 draining"}, outcomes
+        assert out["finish"] == "length", out
+        assert render.process.wait(30) == 0
     finally:
         stop_server(render)
 

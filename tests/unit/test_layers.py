@@ -85,6 +85,8 @@ ALLOWED: dict[str, set[str]] = {
     "gpu_worker.models": {"gpu_worker.attention", "gpu_worker.ops", "shared"},
     "gpu_worker.attention": {"gpu_worker.ops", "kernels", "shared"},
     "gpu_worker.ops": {"kernels", "shared"},
+    # Tensor parallelism: the TP group, its collectives and the parallel layer types.
+    "gpu_worker.distributed": {"gpu_worker.ops", "shared"},
     # The pure-Python engine core: scheduler, KV block manager, sequences, config.
     "gpu_worker.core": {"gpu_worker.sampling.state", "shared"},
     "gpu_worker.sampling": {"shared"},

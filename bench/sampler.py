@@ -49,7 +49,6 @@ import torch
 from results_md import command_line, write_section
 
 from gpu_worker.core.sequence import Sequence
-from gpu_worker.sampling.penalties import PenalizedRequest
 from gpu_worker.sampling.sampler import Sampler, SamplingRequest, new_sampler_state
 from gpu_worker.sampling.upload import upload
 from shared.sampling import SamplingParams
@@ -73,7 +72,7 @@ class DensePenalties:
             self._prompt_masks.pop(request_id, None)
 
     def apply(
-        self, x: torch.Tensor, batch_rows: list[int], requests: list[PenalizedRequest]
+        self, x: torch.Tensor, batch_rows: list[int], requests: list[SamplingRequest]
     ) -> None:
         n, vocab = x.shape
         rows: list[int] = []
@@ -104,7 +103,7 @@ class DensePenalties:
         p = upload(presence, torch.float32, self.device)
         x.sub_(f[:, None] * counts + p[:, None] * in_output)
 
-    def _prompt_mask(self, request: PenalizedRequest) -> torch.Tensor:
+    def _prompt_mask(self, request: SamplingRequest) -> torch.Tensor:
         mask = self._prompt_masks.get(request.request_id)
         if mask is None:
             mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)

@@ -17,34 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
-from gpu_worker.sampling.state import SamplerState
+from gpu_worker.sampling.state import SamplerState, SamplingRequest
 from gpu_worker.sampling.upload import upload
 from shared.sampling import SamplingParams
 
 _INITIAL_ROWS = 8
-
-
-class PenalizedRequest(Protocol):
-    """A row as the penalties read it."""
-
-    @property
-    def request_id(self) -> str: ...
-
-    @property
-    def sampling(self) -> SamplingParams: ...
-
-    @property
-    def prompt_token_ids(self) -> list[int]: ...
-
-    @property
-    def output_token_ids(self) -> list[int]: ...
-
-    @property
-    def sampler_state(self) -> SamplerState: ...
 
 
 def has_penalty(p: SamplingParams) -> bool:
@@ -93,7 +73,7 @@ class PenaltyRows:
                 self._free.append(row.index)
 
     def apply(
-        self, x: torch.Tensor, batch_rows: Sequence[int], requests: Sequence[PenalizedRequest]
+        self, x: torch.Tensor, batch_rows: Sequence[int], requests: Sequence[SamplingRequest]
     ) -> None:
         """Penalize `x[batch_rows[i]]` ([n, vocab] logits, in place) for `requests[i]`:
         repetition (HF: prompt and output), then frequency and presence (OpenAI: output)."""
@@ -113,7 +93,7 @@ class PenaltyRows:
         if rows is not None:
             x.index_copy_(0, rows, xs)
 
-    def _sync(self, requests: Sequence[PenalizedRequest]) -> list[int]:
+    def _sync(self, requests: Sequence[SamplingRequest]) -> list[int]:
         """Each request's row, taken if it has none, with the tokens it gained since the
         last step added; one scatter per tensor for the whole batch."""
         fresh: list[int] = []

@@ -20,38 +20,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
 from gpu_worker.sampling.draw import draw, uniforms
 from gpu_worker.sampling.penalties import PenaltyRows, has_penalty
-from gpu_worker.sampling.state import SamplerState
+from gpu_worker.sampling.state import SamplerState, SamplingRequest
 from gpu_worker.sampling.structured import GrammarMasker, RequestMatcher
 from gpu_worker.sampling.token_filters import TokenFilters, new_token_filter
 from gpu_worker.sampling.top_k_top_p import apply_top_p_full, needs_truncation, top_k_top_p
 from gpu_worker.sampling.upload import upload
 from shared.sampling import SamplingParams
-
-
-class SamplingRequest(Protocol):
-    """One row of a step as the sampler reads it: the request's id, params and tokens (the
-    engine's `Sequence` owns them) and the sampler's own state for it."""
-
-    @property
-    def request_id(self) -> str: ...
-
-    @property
-    def sampling(self) -> SamplingParams: ...
-
-    @property
-    def prompt_token_ids(self) -> list[int]: ...
-
-    @property
-    def output_token_ids(self) -> list[int]: ...
-
-    @property
-    def sampler_state(self) -> SamplerState: ...
 
 
 def new_sampler_state(

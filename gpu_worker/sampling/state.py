@@ -7,12 +7,13 @@ manager still load without torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from gpu_worker.sampling.structured import RequestMatcher
     from gpu_worker.sampling.token_filters import TokenFilter
     from shared.protocol import TokenLogprobs
+    from shared.sampling import SamplingParams
 
 
 @dataclass(eq=False)
@@ -27,3 +28,23 @@ class SamplerState:
     prompt_logprobs: list[TokenLogprobs | None] | None = field(default=None, repr=False)
     """Prompt logprobs gathered chunk by chunk (index = prompt position), until the first
     delta carries them away; None when none were asked for or once they are sent."""
+
+
+class SamplingRequest(Protocol):
+    """One row of a step as the sampler and its penalties read it: the request's id, params
+    and tokens (the engine's `Sequence` owns them) and the sampler's own state for it."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def sampling(self) -> SamplingParams: ...
+
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+    @property
+    def sampler_state(self) -> SamplerState: ...

@@ -10,6 +10,7 @@ import signal
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -29,6 +30,24 @@ def _answered_by(render: ServerProcess, method: str, path: str) -> Counter[str]:
         for pid, seen_method, seen_path in _ACCESS.findall(render.log())
         if (seen_method, seen_path) == (method, path)
     )
+
+
+def _start_two_draining(worker: WorkerProcess, tmp_path: Path) -> ServerProcess:
+    """Two render processes with a long drain, both started: /ready answers once one
+    serves, and a drain is about both (SIGTERM mid-startup is another case)."""
+    render = start_render(
+        [worker.address], tmp_path / "render.log", ["--processes", "2", "--drain-timeout", "60"]
+    )
+    try:
+        wait_until(
+            lambda: render.log().count("Application startup complete") >= 2,
+            60,
+            "the second render process to start",
+        )
+    except BaseException:
+        stop_server(render)
+        raise
+    return render
 
 
 def _complete(base_url: str) -> int:
@@ -92,17 +111,8 @@ def test_both_processes_serve_and_metrics_sum_them(worker_a: WorkerProcess, tmp_
 
 
 def test_sigterm_drains_every_process_then_exits_0(worker_a: WorkerProcess, tmp_path) -> None:
-    render = start_render(
-        [worker_a.address], tmp_path / "render.log", ["--processes", "2", "--drain-timeout", "60"]
-    )
+    render = _start_two_draining(worker_a, tmp_path)
     try:
-        # /ready answers once one process serves; the drain is about both, so wait for the
-        # second to finish starting (SIGTERM mid-startup is another case).
-        wait_until(
-            lambda: render.log().count("Application startup complete") >= 2,
-            60,
-            "the second render process to start",
-        )
         assert_sigterm_drains(render, 40)
     finally:
         stop_server(render)
@@ -115,15 +125,8 @@ def test_requests_during_a_multi_process_drain_are_refused_never_cut(
     sent meanwhile is answered, with the 503 "draining" once the signal has reached the
     process that takes it, and never by a connection closed without an answer (the idle one
     used to close connections it had just accepted)."""
-    render = start_render(
-        [worker_a.address], tmp_path / "render.log", ["--processes", "2", "--drain-timeout", "60"]
-    )
+    render = _start_two_draining(worker_a, tmp_path)
     try:
-        wait_until(
-            lambda: render.log().count("Application startup complete") >= 2,
-            60,
-            "the second render process to start",
-        )
         thread, out = _stream_in_background(render.base_url, 400)
         render.process.send_signal(signal.SIGTERM)
         outcomes: Counter[str] = Counter()

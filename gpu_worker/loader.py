@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import gguf
 import numpy as np
@@ -26,8 +26,11 @@ from safetensors import safe_open
 
 from gpu_worker.attention.backend import AttentionBackend
 from gpu_worker.attention.torch_backend import TorchAttentionBackend
+from gpu_worker.distributed.group import TPGroup
+from gpu_worker.distributed.parallelize import parallelize
 from gpu_worker.models import CausalLM, get_model_class
 from gpu_worker.models.config import LongRope, ModelConfig, RopeScaling
+from gpu_worker.models.weights import TensorSource
 from gpu_worker.ops.gguf_linear import (
     QuantizedWeight,
     gguf_quantized_weights,
@@ -243,6 +246,20 @@ def iter_hf_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(model_dir / file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 yield name, f.get_tensor(name)
+
+
+def iter_hf_slices(model_dir: Path) -> Iterator[tuple[str, TensorSource]]:
+    """`iter_hf_weights`, each tensor lazy: indexing it reads only the rows or columns it
+    names from the file, so a tensor-parallel rank never holds a whole tensor."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    for file in files:
+        with safe_open(str(model_dir / file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                yield name, f.get_slice(name)
 
 
 def _gguf_tensor_values(meta: GGUFMetadata, name: str) -> list[float]:
@@ -522,32 +539,44 @@ def load_model(
     layer_ops: LayerOps | None = None,
     gguf_kernels: bool = True,
     max_model_len: int | None = None,
+    tp_group: TPGroup | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
     """Build the model on `device` in `dtype` (default bf16 on CUDA, fp32 elsewhere) and fill
     it with the source's weights. Attention and layer ops default to plain torch. `gguf_kernels`
     lets an fp32 CPU model read a GGUF file's quantized blocks in decode-sized matmuls.
     `max_model_len`, the context the engine serves, replaces the model's own: the rotary
-    tables cover it, and LongRoPE takes its short factors when it fits the original context."""
+    tables cover it, and LongRoPE takes its short factors when it fits the original context.
+
+    With a `tp_group` the model is that rank's shard (`gpu_worker.distributed.parallelize`):
+    from safetensors the rank reads only its rows and columns of each tensor; a GGUF
+    tensor is dequantized whole (one at a time, its Q/K rows unpermuted) and then sliced,
+    and the rank's shard runs on dense weights, not on the file's quantized blocks. The
+    returned config is the full model's."""
     device = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if source.kind == "gguf":
         config = config_from_gguf(read_gguf_metadata(source.path))
         reader = gguf.GGUFReader(source.path)  # for the tensors alone
-        weights = iter_gguf_weights(reader, config)
+        weights: Iterator[tuple[str, TensorSource]] = iter_gguf_weights(reader, config)
     else:
         config = config_from_hf(json.loads((source.path / "config.json").read_text()))
-        weights = iter_hf_weights(source.path)
+        sharded = tp_group is not None and tp_group.world_size > 1
+        weights = iter_hf_slices(source.path) if sharded else iter_hf_weights(source.path)
     if max_model_len is not None:
         config = dataclasses.replace(config, max_position_embeddings=max_model_len)
     model_cls = get_model_class(config.architecture)
     # Build on the meta device: no random init of weights that are overwritten at once.
     with torch.device("meta"):
         model = model_cls(config, attn_backend or TorchAttentionBackend(), layer_ops)
+        if tp_group is not None and tp_group.world_size > 1:
+            parallelize(model, tp_group)
     model = model.to(dtype).to_empty(device=device)
-    model.load_weights(weights)
+    # A rank's shard takes lazy tensors: its shard hook (`load_stacked_weights`) reads them.
+    model.load_weights(cast(Iterator[tuple[str, torch.Tensor]], weights))
     model.build_caches(device)
-    if source.kind == "gguf" and gguf_kernels and quantized_kernels_available(device, dtype):
+    quantized = gguf_kernels and (tp_group is None or tp_group.world_size == 1)
+    if source.kind == "gguf" and quantized and quantized_kernels_available(device, dtype):
         # fp32 on CPU: decode reads the file's 4-8 bit blocks instead (gpu_worker.ops.gguf_linear).
         model.attach_quantized(gguf_block_weights(reader, config))
     model.eval().requires_grad_(False)

@@ -1,0 +1,127 @@
+"""A loaded model at TP=2 (2 gloo ranks on CPU) computes the TP=1 model's logits, each
+rank reading and holding only its shard of the weights.
+
+Three tiny random HF checkpoints: Llama with attention biases (o_proj's bias is rank 0's
+alone) and an untied head, Qwen3 (q/k norms) tied, and a SmolLM2-shaped Llama whose 9
+heads over 3 KV heads split unevenly over 2 ranks, with a vocabulary of 255 rows (the
+last rank's embedding and head shards padded). One spawn of the two ranks loads all three
+with `load_model(..., tp_group=...)` and runs a prefill and a decode step through the
+torch attention backend, each rank's paged KV cache sized for its local KV heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gpu_worker.distributed.group import TPGroup
+from gpu_worker.distributed.sharding import local_heads
+from gpu_worker.loader import load_model
+from shared.model_source import ModelSource, resolve_model
+from tests.helpers.tiny_models import PagedRunner, save_tiny_model
+from tests.integration.test_tp_collectives import WORLD, run_ranks
+
+MODELS: dict[str, dict[str, Any]] = {
+    "llama": dict(family="llama", tie_word_embeddings=False, attention_bias=True),
+    "qwen3": dict(family="qwen3", tie_word_embeddings=True),
+    "smollm2_shape": dict(
+        family="llama",
+        tie_word_embeddings=True,
+        hidden_size=72,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=255,
+    ),
+}
+PROMPT = [3, 17, 42, 99, 7, 254, 128, 5, 61]
+DECODE_TOKEN = 11
+
+
+def _replicated(name: str) -> bool:
+    """Parameters every rank keeps whole (norms), or rank 0 alone (row-parallel biases):
+    left out of the bytes that shard."""
+    return name.endswith("norm.weight") or name.endswith("o_proj.bias")
+
+
+def _param_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes that shard, bytes replicated) over the model's parameters."""
+    sharded = replicated = 0
+    for name, param in model.named_parameters():
+        size = param.numel() * param.element_size()
+        if _replicated(name):
+            replicated += size
+        else:
+            sharded += size
+    return sharded, replicated
+
+
+@torch.no_grad()
+def _prefill_and_decode(source: ModelSource, group: TPGroup | None) -> dict[str, Any]:
+    model, config = load_model(source, torch.device("cpu"), torch.float32, tp_group=group)
+    if group is not None:
+        heads = local_heads(config.num_heads, config.num_kv_heads, group.world_size, group.rank)
+        config = dataclasses.replace(config, num_kv_heads=heads.num_kv_heads)
+    runner = PagedRunner(model, config, block_size=4)
+    prefill = runner.step({0: PROMPT})[0]
+    decode = runner.step({0: [DECODE_TOKEN]})[0]
+    sharded, replicated = _param_bytes(model)
+    return {"logits": (prefill, decode), "sharded": sharded, "replicated": replicated}
+
+
+def _rank_check(dirs: dict[str, Path], out: Path, group: TPGroup) -> None:
+    for name, model_dir in dirs.items():
+        result = _prefill_and_decode(resolve_model(str(model_dir)), group)
+        torch.save(result, out / f"{name}.rank{group.rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Each model's TP=1 result and both ranks' TP=2 results."""
+    root = tmp_path_factory.mktemp("tp_model")
+    dirs: dict[str, Path] = {}
+    for name, spec in MODELS.items():
+        spec = dict(spec)
+        family = spec.pop("family")
+        dirs[name], _ = save_tiny_model(root / name, family, **spec)
+    errors = root / "errors"
+    errors.mkdir()
+    check = functools.partial(_rank_check, dirs, root)
+    run_ranks(check, errors, timeout_s=60.0, wall_s=180.0)
+    return {
+        name: {
+            "tp1": _prefill_and_decode(resolve_model(str(model_dir)), None),
+            "ranks": [torch.load(root / f"{name}.rank{r}.pt") for r in range(WORLD)],
+        }
+        for name, model_dir in dirs.items()
+    }
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_rank0_logits_match_tp1(runs: dict[str, Any], name: str) -> None:
+    tp1, ranks = runs[name]["tp1"], runs[name]["ranks"]
+    for full, sharded in zip(tp1["logits"], ranks[0]["logits"], strict=True):
+        assert sharded.shape == full.shape
+        torch.testing.assert_close(sharded, full, atol=1e-4, rtol=0)
+    # The other rank computes its vocabulary's logits but only rank 0 gathers them.
+    assert all(logits.shape[-1] == 0 for logits in ranks[1]["logits"])
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_each_rank_holds_about_half_the_weights(runs: dict[str, Any], name: str) -> None:
+    """Past the replicated norms and rank 0's o_proj bias, a rank holds half of the weights
+    where heads split evenly (plus the zero rows padding an odd vocabulary, under 1%), and
+    at most its share of heads otherwise: SmolLM2's shape gives rank 1 two of 3 KV groups
+    of attention, so at most 60% of the whole; the two ranks' shares add up to the model."""
+    tp1, ranks = runs[name]["tp1"], runs[name]["ranks"]
+    shares = [rank["sharded"] / tp1["sharded"] for rank in ranks]
+    if name == "smollm2_shape":
+        assert all(0.4 <= share <= 0.6 for share in shares), shares
+    else:
+        assert all(abs(share - 0.5) <= 0.005 for share in shares), shares
+    assert 1.0 <= sum(shares) <= 1.01, shares
+    assert all(rank["replicated"] <= tp1["replicated"] for rank in ranks)

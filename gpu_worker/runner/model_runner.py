@@ -60,6 +60,10 @@ class HostBatch:
     """Rows whose logits are sampled; None when every row samples (a pure decode step)."""
     prompt_rows: np.ndarray | None
     """Rows whose hidden states score prompt logprobs; None when no sequence asked."""
+    table_shape: tuple[int, int]
+    """[rows, cols] of the persistent block table once `table`'s writes are in: their flat
+    indices count in its columns. A rank that runs a batch prepared elsewhere (a TP
+    follower) grows its own table to this shape first, so the writes land alike."""
 
 
 class ModelRunner:
@@ -109,7 +113,14 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledSequence]) -> RunnerOutput:
         """Run one step: fp32 logits for each sampling sequence, in batch order, and the
         hidden states of the prompt rows whose logprobs were asked for."""
-        batch = self.prepare(scheduled)
+        return self.execute_host(self.prepare(scheduled))
+
+    @torch.inference_mode()
+    def execute_host(self, batch: HostBatch) -> RunnerOutput:
+        """Run a prepared step: this runner's own `prepare`, or, on a TP follower, the
+        leader's, received over the wire. Either way the batch's block-table writes go into
+        this runner's table, so every rank's table stays the leader's."""
+        self._fit_table(batch.table_shape)
         graphs = self.decode_graphs
         if graphs is not None and graphs.can_run(batch.layout, batch.table):
             hidden = graphs.run(batch.input_ids, batch.layout, batch.table)
@@ -176,7 +187,12 @@ class ModelRunner:
             prompt_rows = _first_rows(layout.query_start_loc[:-1], num_prompt_rows)
         ids = np.asarray(input_ids, dtype=np.int64)
         return HostBatch(
-            ids, layout, table, None if every_row_samples else sample_rows, prompt_rows
+            ids,
+            layout,
+            table,
+            None if every_row_samples else sample_rows,
+            prompt_rows,
+            (int(self.block_table.host.shape[0]), self.block_table.num_cols),
         )
 
     def upload(
@@ -196,6 +212,23 @@ class ModelRunner:
         sample_rows = None if batch.sample_rows is None else row_sets.pop(0)
         prompt_rows = None if batch.prompt_rows is None else row_sets.pop(0)
         return input_ids, positions, meta, sample_rows, prompt_rows
+
+    def _fit_table(self, shape: tuple[int, int]) -> None:
+        """Grow the block table to the preparing rank's `shape` (a no-op on that rank). A
+        follower never hands out rows itself, so it grows only here, copying what it holds
+        into the same [row, col] places, as the leader's own growth does."""
+        table = self.block_table
+        num_rows, num_cols = shape
+        table.reserve(num_cols)
+        old_rows = int(table.host.shape[0])
+        if num_rows > old_rows:
+            host = np.zeros((num_rows, table.num_cols), dtype=np.int32)
+            host[:old_rows] = table.host
+            device_table = torch.zeros(
+                (num_rows, table.num_cols), dtype=torch.int32, device=self.device
+            )
+            device_table[:old_rows] = table.device_table
+            table.host, table.device_table = host, device_table
 
 
 def _first_rows(chunk_starts: np.ndarray, counts: np.ndarray) -> np.ndarray:

@@ -1,10 +1,11 @@
 """A loaded model at TP=2 (2 gloo ranks on CPU) computes the TP=1 model's logits, each
 rank reading and holding only its shard of the weights.
 
-Three tiny random HF checkpoints: Llama with attention biases (o_proj's bias is rank 0's
-alone) and an untied head, Qwen3 (q/k norms) tied, and a SmolLM2-shaped Llama whose 9
-heads over 3 KV heads split unevenly over 2 ranks, with a vocabulary of 255 rows (the
-last rank's embedding and head shards padded). One spawn of the two ranks loads all three
+Tiny random HF checkpoints: Llama with attention biases (o_proj's bias is rank 0's alone)
+and an untied head, Qwen3 (q/k norms) tied, Phi-3 (q/k/v and gate/up fused in the
+checkpoint), Gemma 2 (GeGLU, soft-capping, scaled embeddings) and a SmolLM2-shaped Llama
+whose 9 heads over 3 KV heads split unevenly over 2 ranks, with a vocabulary of 255 rows
+(the last rank's embedding and head shards padded). One spawn of the two ranks loads them
 with `load_model(..., tp_group=...)` and runs a prefill and a decode step through the
 torch attention backend, each rank's paged KV cache sized for its local KV heads.
 """
@@ -29,6 +30,9 @@ from tests.integration.test_tp_collectives import WORLD, run_ranks
 MODELS: dict[str, dict[str, Any]] = {
     "llama": dict(family="llama", tie_word_embeddings=False, attention_bias=True),
     "qwen3": dict(family="qwen3", tie_word_embeddings=True),
+    # Phi-3's checkpoint fuses q/k/v and gate/up itself: the rank slices each part.
+    "phi3": dict(family="phi3", tie_word_embeddings=False),
+    "gemma2": dict(family="gemma2", tie_word_embeddings=True),
     "smollm2_shape": dict(
         family="llama",
         tie_word_embeddings=True,

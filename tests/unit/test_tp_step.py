@@ -22,12 +22,17 @@ from gpu_worker.core.config import CacheConfig, SchedulerConfig
 from gpu_worker.core.kv_cache import KVCacheManager
 from gpu_worker.core.scheduler import Scheduler, SchedulerOutput
 from gpu_worker.core.sequence import Sequence
+from gpu_worker.distributed import step as step_module
+from gpu_worker.distributed.group import TPGroup
 from gpu_worker.distributed.step import (
     StepMessage,
     WireArray,
     decode_step,
     encode_step,
     encode_stop,
+    follower_loop,
+    lead_step,
+    stop_followers,
 )
 from gpu_worker.models import LlamaForCausalLM
 from gpu_worker.models.config import ModelConfig
@@ -203,3 +208,25 @@ def test_a_received_batch_runs_exactly_like_a_local_step() -> None:
     assert num_steps > 5
     assert follower.block_table.device_table.shape == local.block_table.device_table.shape
     assert torch.equal(follower.block_table.device_table, local.block_table.device_table)
+
+
+def test_a_world_of_one_leads_without_encoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object) -> bytes:
+        raise AssertionError("a world of 1 encodes nothing")
+
+    monkeypatch.setattr(step_module, "encode_step", refuse)
+    monkeypatch.setattr(step_module, "encode_stop", refuse)
+    model = tiny_model()
+    local, alone = tiny_runner(model), tiny_runner(model)
+    group = TPGroup.single(torch.device("cpu"))
+    scheduler = busy_scheduler(4, seed=3)
+    while scheduler.has_unfinished():
+        out = scheduler.schedule()
+        local.release(out.finished_request_ids)
+        want = local.execute(out.scheduled)
+        got = lead_step(alone, group, out.scheduled, out.finished_request_ids)
+        assert torch.equal(got.logits, want.logits)
+        scheduler.update(out, greedy(out, want.logits))
+    stop_followers(group)
+    with pytest.raises(ValueError, match="only the other ranks follow"):
+        follower_loop(alone, group)

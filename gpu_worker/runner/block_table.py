@@ -141,10 +141,14 @@ class BlockTable:
             if row is not None:
                 self._free.append(row.index)
 
-    def reserve(self, num_cols: int) -> None:
-        """Make rows at least `num_cols` wide (CUDA graphs gather a fixed width)."""
-        if num_cols > self.num_cols:
-            self._grow(self.host.shape[0], num_cols)
+    def reserve(self, num_cols: int, num_rows: int = 0) -> None:
+        """Make the table at least `num_rows` x `num_cols` (CUDA graphs gather a fixed width;
+        a follower rank takes its leader's shape, since the leader's writes index into it);
+        rows added here are free."""
+        old_rows = int(self.host.shape[0])
+        if num_cols > self.num_cols or num_rows > old_rows:
+            self._grow(max(num_rows, old_rows), max(num_cols, self.num_cols))
+            self._free.extend(range(num_rows - 1, old_rows - 1, -1))
 
     def _assign(self, seq: Sequence, row: _Row | None) -> _Row:
         """A row for `seq` to write from column 0: its old one when it had one (a preempted

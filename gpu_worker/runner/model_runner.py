@@ -214,21 +214,11 @@ class ModelRunner:
         return input_ids, positions, meta, sample_rows, prompt_rows
 
     def _fit_table(self, shape: tuple[int, int]) -> None:
-        """Grow the block table to the preparing rank's `shape` (a no-op on that rank). A
-        follower never hands out rows itself, so it grows only here, copying what it holds
-        into the same [row, col] places, as the leader's own growth does."""
-        table = self.block_table
+        """Grow the block table to the preparing rank's `shape` (a no-op on that rank): a
+        follower never hands out rows itself, and the leader's flat write indices assume
+        its shape."""
         num_rows, num_cols = shape
-        table.reserve(num_cols)
-        old_rows = int(table.host.shape[0])
-        if num_rows > old_rows:
-            host = np.zeros((num_rows, table.num_cols), dtype=np.int32)
-            host[:old_rows] = table.host
-            device_table = torch.zeros(
-                (num_rows, table.num_cols), dtype=torch.int32, device=self.device
-            )
-            device_table[:old_rows] = table.device_table
-            table.host, table.device_table = host, device_table
+        self.block_table.reserve(num_cols, num_rows)
 
 
 def _first_rows(chunk_starts: np.ndarray, counts: np.ndarray) -> np.ndarray:

@@ -17,7 +17,7 @@ import torch
 
 from gpu_worker.distributed.comm import all_reduce_, gather_to_rank0
 from gpu_worker.distributed.group import TPGroup
-from gpu_worker.distributed.step import follower_loop, lead_step, stop_followers
+from gpu_worker.engine.tp_step import follower_loop, lead_step, stop_followers
 from gpu_worker.runner.kv_caches import allocate_kv_caches
 from gpu_worker.runner.model_runner import HostBatch, ModelRunner, RunnerOutput
 from tests.integration.test_tp_collectives import run_ranks

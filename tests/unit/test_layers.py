@@ -66,6 +66,7 @@ ALLOWED: dict[str, set[str]] = {
     "gpu_worker.server": {"gpu_worker.engine", "gpu_worker.core", "gpu_worker.runner", "shared"},
     "gpu_worker.engine": {
         "gpu_worker.core",
+        "gpu_worker.distributed",
         "gpu_worker.runner",
         "gpu_worker.sampling",
         "gpu_worker.loader",

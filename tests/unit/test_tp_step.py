@@ -1,4 +1,4 @@
-"""A TP step's wire (`gpu_worker.distributed.step`): what rank 0 prepares crosses whole, and a
+"""A TP step's wire (`gpu_worker.engine.tp_step`): what rank 0 prepares crosses whole, and a
 runner that runs the received batch computes exactly what the preparing rank does.
 
 A real scheduler drives the steps through what the wire must carry: chunked prefill beside
@@ -22,9 +22,9 @@ from gpu_worker.core.config import CacheConfig, SchedulerConfig
 from gpu_worker.core.kv_cache import KVCacheManager
 from gpu_worker.core.scheduler import Scheduler, SchedulerOutput
 from gpu_worker.core.sequence import Sequence
-from gpu_worker.distributed import step as step_module
 from gpu_worker.distributed.group import TPGroup
-from gpu_worker.distributed.step import (
+from gpu_worker.engine import tp_step as step_module
+from gpu_worker.engine.tp_step import (
     StepMessage,
     WireArray,
     decode_step,

@@ -14,15 +14,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+import gpu_worker.loader
+from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from gpu_worker.distributed.group import TPGroup
+from gpu_worker.distributed.parallelize import parallelize
 from gpu_worker.distributed.sharding import local_heads
-from gpu_worker.loader import load_model
+from gpu_worker.loader import load_config, load_model
+from gpu_worker.models import get_model_class
+from gpu_worker.models.weights import TensorSource
 from shared.model_source import ModelSource, resolve_model
 from tests.helpers.tiny_models import PagedRunner, save_tiny_model
 from tests.integration.test_tp_collectives import WORLD, run_ranks
@@ -160,3 +167,54 @@ def test_builtin_gguf_model_at_tp2(tmp_path: Path) -> None:
         torch.testing.assert_close(sharded, full, atol=1e-4, rtol=1e-5)
     shares = [rank["sharded"] / tp1["sharded"] for rank in ranks]
     assert all(0.4 <= share <= 0.6 for share in shares), shares
+
+
+class _CountingSlice:
+    """A lazy checkpoint tensor that counts the elements each index reads."""
+
+    def __init__(self, source: TensorSource, counts: dict[str, int], name: str) -> None:
+        self.source, self.counts, self.name = source, counts, name
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        part = self.source[index]
+        self.counts[self.name] = self.counts.get(self.name, 0) + part.numel()
+        return part
+
+
+def test_a_rank_reads_only_its_slice_of_each_safetensors_tensor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loading needs no collective, so one process plays rank 1 of 2: every tensor but the
+    replicated norms (and the o_proj bias rank 1 drops) is read at most 2/3 (SmolLM2's
+    shape gives rank 1 two of its 3 KV groups: 6 of 9 query heads), never whole."""
+    spec = dict(MODELS["smollm2_shape"], attention_bias=True)
+    family = spec.pop("family")
+    model_dir, _ = save_tiny_model(tmp_path / "model", family, **spec)
+    stored = load_file(model_dir / "model.safetensors")
+    full = {name: tensor.numel() for name, tensor in stored.items()}
+    counts: dict[str, int] = {}
+    slices = gpu_worker.loader.iter_hf_slices
+
+    def counting(model_dir: Path) -> Iterator[tuple[str, TensorSource]]:
+        for name, source in slices(model_dir):
+            yield name, _CountingSlice(source, counts, name)
+
+    monkeypatch.setattr(gpu_worker.loader, "iter_hf_slices", counting)
+    group = TPGroup(rank=1, world_size=2, device=torch.device("cpu"), backend="gloo")
+    load_model(resolve_model(str(model_dir)), torch.device("cpu"), tp_group=group)
+    for name, read in counts.items():
+        if not name.endswith("norm.weight"):
+            assert 3 * read <= 2 * full[name], (name, read, full[name])
+    dropped = {name for name in full if name.endswith("o_proj.bias")}
+    assert dropped
+    assert set(counts) == set(full) - dropped
+
+
+def test_mixture_of_experts_is_refused(tmp_path: Path) -> None:
+    model_dir, _ = save_tiny_model(tmp_path / "moe", "mixtral", tie_word_embeddings=False)
+    config = load_config(resolve_model(str(model_dir)))
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config, TorchAttentionBackend())
+    group = TPGroup(rank=0, world_size=2, device=torch.device("cpu"), backend="gloo")
+    with pytest.raises(NotImplementedError, match="mixture-of-experts"):
+        parallelize(model, group)

@@ -82,12 +82,19 @@ ALLOWED: dict[str, set[str]] = {
         "gpu_worker.ops",
         "shared",
     },
-    "gpu_worker.loader": {"gpu_worker.models", "gpu_worker.attention", "gpu_worker.ops", "shared"},
+    "gpu_worker.loader": {
+        "gpu_worker.models",
+        "gpu_worker.attention",
+        "gpu_worker.ops",
+        "gpu_worker.distributed",
+        "shared",
+    },
     "gpu_worker.models": {"gpu_worker.attention", "gpu_worker.ops", "shared"},
     "gpu_worker.attention": {"gpu_worker.ops", "kernels", "shared"},
     "gpu_worker.ops": {"kernels", "shared"},
-    # Tensor parallelism: the TP group, its collectives and the parallel layer types.
-    "gpu_worker.distributed": {"gpu_worker.ops", "shared"},
+    # Tensor parallelism: the TP group, its collectives, the parallel layer types and
+    # `parallelize`, which swaps them into a built model.
+    "gpu_worker.distributed": {"gpu_worker.models", "gpu_worker.ops", "shared"},
     # The pure-Python engine core: scheduler, KV block manager, sequences, config.
     "gpu_worker.core": {"gpu_worker.sampling.state", "shared"},
     "gpu_worker.sampling": {"shared"},

@@ -1,10 +1,12 @@
 """Deployment files: manifests valid against the Kubernetes schemas (as kustomize builds
 them), Dockerfiles clean under hadolint, every flag or DUET_* variable they use one the
 binaries actually have, the render pods' probes answered by a real render-serve holding
-the manifests' API key, and every compose service restarted when it exits."""
+the manifests' API key, every compose service restarted when it exits, and the
+multi-node tensor-parallel overlay's LeaderWorkerSet one group whose ranks agree."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -20,7 +22,12 @@ from tests.helpers.processes import ServerProcess, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-KUSTOMIZATIONS = [DEPLOY / "k8s" / "base", DEPLOY / "k8s" / "overlays" / "example"]
+OVERLAYS = DEPLOY / "k8s" / "overlays"
+TP_OVERLAY = OVERLAYS / "tp-multinode"
+KUSTOMIZATIONS = [DEPLOY / "k8s" / "base", OVERLAYS / "example", TP_OVERLAY]
+# JSON schemas of the custom resources the manifests use (kubernetes-validate knows only
+# the built-in kinds), named as kubernetes-validate names its own: kind-group-version.
+CRD_SCHEMAS = Path(__file__).parent / "schemas"
 DOCKERFILES = sorted((DEPLOY / "docker").glob("*.Dockerfile"))
 BIN = Path(sys.executable).parent
 
@@ -45,25 +52,77 @@ def _kustomize(directory: Path) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(built) if doc]
 
 
+def _validate(doc: dict) -> None:
+    """Validate `doc` against Kubernetes 1.33's strict schema of its kind, or, for a custom
+    resource, against its vendored schema, whose embedded Kubernetes types (pod templates)
+    resolve to the same strict definitions."""
+    import jsonschema
+    import kubernetes_validate
+    from kubernetes_validate.utils import schema_contents
+    from referencing import Registry, Resource
+
+    group_version = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", doc["apiVersion"])
+    schema_file = CRD_SCHEMAS / f"{doc['kind'].lower()}-{group_version}.json"
+    if not schema_file.exists():
+        kubernetes_validate.validate(doc, "1.33.0", strict=True)
+        return
+    definitions = schema_contents(
+        "kubernetes-json-schema/v1.33.0-local-strict/_definitions.json", "1.33.0"
+    )
+    schema = json.loads(schema_file.read_text())
+    registry = Resource.from_contents(definitions) @ Registry()
+    jsonschema.Draft202012Validator(schema, registry=registry).validate(doc)
+
+
+def _pod_templates(doc: dict) -> list[dict]:
+    """The pod templates of a workload: a LeaderWorkerSet has its leader's and its workers'."""
+    if doc["kind"] in ("Deployment", "StatefulSet"):
+        return [doc["spec"]["template"]]
+    if doc["kind"] == "LeaderWorkerSet":
+        group = doc["spec"]["leaderWorkerTemplate"]
+        return [group[name] for name in ("leaderTemplate", "workerTemplate") if name in group]
+    return []
+
+
+SHARED_KINDS = {
+    "Deployment",
+    "Service",
+    "HorizontalPodAutoscaler",
+    "PodDisruptionBudget",
+    "NetworkPolicy",
+    "ConfigMap",
+    "Secret",
+    "PersistentVolumeClaim",
+}
+
+
 @pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=lambda d: d.name)
 def test_kustomize_output_validates_against_kubernetes_schemas(directory: Path) -> None:
-    import kubernetes_validate
-
     documents = _kustomize(directory)
     kinds = {doc["kind"] for doc in documents}
-    assert {
-        "Deployment",
-        "Service",
-        "HorizontalPodAutoscaler",
-        "PodDisruptionBudget",
-        "StatefulSet",
-        "NetworkPolicy",
-        "ConfigMap",
-        "Secret",
-        "PersistentVolumeClaim",
-    } <= kinds
+    # The TP overlay's workers are a LeaderWorkerSet in place of the base's StatefulSet.
+    workers = "LeaderWorkerSet" if directory == TP_OVERLAY else "StatefulSet"
+    assert SHARED_KINDS | {workers} <= kinds
     for doc in documents:
-        kubernetes_validate.validate(doc, "1.33.0", strict=True)
+        _validate(doc)
+
+
+def test_the_leaderworkerset_schema_refuses_what_the_api_server_would() -> None:
+    """The vendored schema is strict at both of its levels: its own fields, and the pod
+    template it takes from Kubernetes' definitions."""
+    import jsonschema
+
+    [group] = [doc for doc in _kustomize(TP_OVERLAY) if doc["kind"] == "LeaderWorkerSet"]
+    _validate(group)
+    misspelt = json.loads(json.dumps(group))
+    misspelt["spec"]["leaderWorkerTemplate"]["sise"] = 2
+    bad_pod = json.loads(json.dumps(group))
+    bad_pod["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["argz"] = []
+    bad_policy = json.loads(json.dumps(group))
+    bad_policy["spec"]["startupPolicy"] = "LeaderStarted"
+    for broken in (misspelt, bad_pod, bad_policy):
+        with pytest.raises(jsonschema.ValidationError):
+            _validate(broken)
 
 
 def test_worker_pods_request_a_gpu_and_probes_exist() -> None:
@@ -105,9 +164,8 @@ def _container_args() -> dict[str, set[str]]:
     used: dict[str, set[str]] = {"render-serve": set(), "gpu-worker": set()}
     for directory in KUSTOMIZATIONS:
         for doc in _kustomize(directory):
-            if doc["kind"] not in ("Deployment", "StatefulSet"):
-                continue
-            for container in doc["spec"]["template"]["spec"]["containers"]:
+            containers = [c for pod in _pod_templates(doc) for c in pod["spec"]["containers"]]
+            for container in containers:
                 command = "render-serve" if "render" in container["image"] else "gpu-worker"
                 used[command] |= _flags_in(container.get("args", []))
                 for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
@@ -236,3 +294,75 @@ def test_every_compose_service_restarts_when_it_exits() -> None:
     policies = {name: service.get("restart") for name, service in compose["services"].items()}
     assert {"worker", "render-1", "render-2", "lb"} <= set(policies)
     assert all(policy in ("always", "unless-stopped") for policy in policies.values()), policies
+
+
+def _kubelet_expand(arg: str, env: dict[str, str]) -> str:
+    """`arg` as the kubelet passes it: each $(NAME) of a variable in `env` replaced."""
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), arg)
+
+
+def test_tp_overlay_pods_form_one_group_reached_through_its_leader() -> None:
+    """Each pod of a LeaderWorkerSet group, given the environment LWS gives it, parses
+    into the same engine config but its node rank: as many nodes as pods, as many ranks as
+    their GPUs, every rank joining the rendezvous port the leader opens. Render pods reach
+    the leader alone, through the headless Service, and the ranks reach each other."""
+    import dataclasses
+
+    from gpu_worker.cli import build_parser, config_from_args, server_config_from_args
+
+    documents = _kustomize(TP_OVERLAY)
+    by_name = {(doc["kind"], doc["metadata"]["name"]): doc for doc in documents}
+    lws = by_name[("LeaderWorkerSet", "duet-worker-tp")]
+    group = lws["spec"]["leaderWorkerTemplate"]
+    size = group["size"]
+    assert size > 1
+    # Workers must start before the leader is ready: it is ready once every rank has joined.
+    assert lws["spec"]["startupPolicy"] == "LeaderCreated"
+    assert group["restartPolicy"] == "RecreateGroupOnPodRestart"
+    # LWS's Shared subdomain: the leader pod `<set>-<replica>` under a headless Service
+    # named after the set.
+    leader_host = f"duet-worker-tp-0.duet-worker-tp.{lws['metadata']['namespace']}"
+    leader, worker = group["leaderTemplate"], group["workerTemplate"]
+    [leader_container] = leader["spec"]["containers"]
+    leader_ports = {port["name"]: port["containerPort"] for port in leader_container["ports"]}
+    config_map = by_name[("ConfigMap", "duet-config")]["data"]
+
+    configs = []
+    for index in range(size):
+        [container] = (leader if index == 0 else worker)["spec"]["containers"]
+        env = {"LWS_LEADER_ADDRESS": leader_host, "LWS_WORKER_INDEX": str(index)}
+        args = [_kubelet_expand(arg, env) for arg in container["args"]]
+        assert not [arg for arg in args if "$(" in arg], "a variable LWS does not set"
+        parsed = build_parser().parse_args(args)
+        config = config_from_args(parsed)
+        assert (config.nnodes, config.node_rank) == (size, index)
+        gpus = container["resources"]["limits"]["nvidia.com/gpu"]
+        assert config.tensor_parallel_size == gpus * size
+        assert config.dist_init_addr == f"{leader_host}:{leader_ports['rendezvous']}"
+        # Render pods tokenize for the model the ranks load, under the name they serve.
+        assert (parsed.model, parsed.served_model_name) == (
+            config_map["DUET_MODEL"],
+            config_map["DUET_SERVED_MODEL_NAME"],
+        )
+        configs.append(dataclasses.replace(config, node_rank=0))
+        if index == 0:
+            leader_bind = server_config_from_args(parsed).bind
+    assert all(config == configs[0] for config in configs)
+
+    service = by_name[("Service", "duet-worker")]["spec"]
+    assert service["clusterIP"] == "None"
+    labels = {
+        name: pod["metadata"]["labels"] for name, pod in (("leader", leader), ("worker", worker))
+    }
+    selects = {name: service["selector"].items() <= labels[name].items() for name in labels}
+    assert selects == {"leader": True, "worker": False}
+    [port] = service["ports"]
+    assert leader_bind.endswith(f":{_probe_port(leader_container, port['targetPort'])}")
+    assert {"readinessProbe", "livenessProbe"} <= set(leader_container)
+
+    ranks = by_name[("NetworkPolicy", "duet-worker-tp-ranks")]["spec"]
+    peers = ranks["podSelector"]["matchLabels"].items()
+    assert all(peers <= pod_labels.items() for pod_labels in labels.values())
+    [rule] = ranks["ingress"]
+    assert "ports" not in rule  # NCCL picks its ports at run time
+    assert [source["podSelector"]["matchLabels"].items() for source in rule["from"]] == [peers]

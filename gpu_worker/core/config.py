@@ -113,6 +113,32 @@ class EngineConfig:
     """Share full KV blocks between requests with the same prefix."""
     max_waiting: int = 4096
     """Queued requests beyond this are rejected with `queue_full`."""
+    tensor_parallel_size: int = 1
+    """Ranks (one process and device each) that split every layer's heads and MLP and the
+    KV cache; rank 0 serves the socket, schedules and samples."""
+    dist_init_addr: str | None = None
+    """HOST:PORT of rank 0's rendezvous, which every rank joins (default: a free loopback
+    port, for a single node; required with --nnodes above 1)."""
+    nnodes: int = 1
+    """Nodes the tensor-parallel ranks span, each starting tensor-parallel-size / nnodes."""
+    node_rank: int = 0
+    """This node's index; node 0 holds rank 0 and the socket, the others only follow."""
+    dist_timeout_s: float = 60.0
+    """Seconds a collective or the rendezvous waits for a peer: a dead rank fails the
+    others' next step within it."""
+
+    def __post_init__(self) -> None:
+        size, nnodes = self.tensor_parallel_size, self.nnodes
+        if size < 1:
+            raise ValueError(f"tensor_parallel_size must be positive, got {size}")
+        if nnodes < 1 or size % nnodes:
+            raise ValueError(f"{size} tensor-parallel ranks do not divide over {nnodes} nodes")
+        if not 0 <= self.node_rank < nnodes:
+            raise ValueError(f"node_rank {self.node_rank} is outside {nnodes} nodes")
+        if nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError("several nodes need dist_init_addr, the HOST:PORT of rank 0")
+        if self.dist_timeout_s <= 0:
+            raise ValueError(f"dist_timeout_s must be positive, got {self.dist_timeout_s}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

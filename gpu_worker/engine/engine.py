@@ -11,6 +11,7 @@ the offline API for batch inference without HTTP:
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import time
@@ -18,13 +19,18 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_worker.attention.backend import get_attention_backend, resolve_backend_name
+from gpu_worker.attention.backend import (
+    AttentionBackend,
+    get_attention_backend,
+    resolve_backend_name,
+)
 from gpu_worker.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from gpu_worker.core.kv_cache import KVCacheManager
 from gpu_worker.core.scheduler import ScheduledSequence, Scheduler
 from gpu_worker.core.sequence import FinishReason, Sequence
 from gpu_worker.engine.errors import RequestRejected
 from gpu_worker.engine.profile_sampling import profile_sampling
+from gpu_worker.engine.tp_worker import TPLeader
 from gpu_worker.loader import load_model
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.ops.layer_ops import get_layer_ops
@@ -84,15 +90,30 @@ class Engine:
         backend_name = resolve_backend_name(config.attention_backend, self.device)
         attn_backend = get_attention_backend(backend_name)
         started = time.perf_counter()
-        self.model, self.model_config = load_model(
-            source,
-            self.device,
-            self.dtype,
-            attn_backend,
-            layer_ops=get_layer_ops(backend_name),
-            gguf_kernels=config.cpu_gguf_kernels,
-            max_model_len=config.max_model_len,
-        )
+        # With tensor parallelism this process is rank 0: it starts the node's other ranks,
+        # and each builds its own shard, KV cache and runner (`tp_worker.build_rank`).
+        self._tp: TPLeader | None = None
+        if config.tensor_parallel_size > 1:
+            self._tp = TPLeader(config)
+            atexit.register(self.close)
+            parts = self._tp.parts
+            self.model, self.model_config = parts.model, parts.model_config
+            self.device, self.dtype, attn_backend = (
+                parts.runner.device,
+                parts.dtype,
+                parts.attn_backend,
+            )
+        else:
+            self.model, self.model_config = load_model(
+                source,
+                self.device,
+                self.dtype,
+                attn_backend,
+                layer_ops=get_layer_ops(backend_name),
+                gguf_kernels=config.cpu_gguf_kernels,
+                max_model_len=config.max_model_len,
+            )
+        self._tp_released: list[str] = []
         logger.info("loaded %s in %.1fs", source.name, time.perf_counter() - started)
         mc = self.model_config
         self.vocab_size = mc.vocab_size
@@ -101,13 +122,14 @@ class Engine:
 
         # The sampler first: on CUDA its buffers are part of what the profile measures.
         self.sampler = Sampler(mc.vocab_size, self.device, self.eos_token_ids)
-        graph_batch_size = decode_graph_batch_size(config, self.device, backend_name)
-        memory = self._profile_memory(graph_batch_size, autotunes=backend_name == "triton")
-        kv_caches = create_kv_caches(mc, config, self.device, self.dtype, memory)
+        if self._tp is not None:
+            self.runner = self._tp.parts.runner
+        else:
+            self.runner = self._build_runner(attn_backend, backend_name)
         self.kv = KVCacheManager(
             CacheConfig(
                 block_size=config.block_size,
-                num_blocks=kv_caches[0].shape[1],
+                num_blocks=self.runner.kv_caches[0].shape[1],
                 enable_prefix_caching=config.enable_prefix_caching,
             )
         )
@@ -122,9 +144,20 @@ class Engine:
             self.kv,
             self.eos_token_ids,
         )
-        self.runner = ModelRunner(
-            self.model, attn_backend, kv_caches, config.block_size, self.device
-        )
+        self.structured = StructuredOutputs(source, mc.vocab_size, self.eos_token_ids)
+        self.structured.start_loading()
+        self.model_card = self._model_card(source)
+        self._num_steps = 0
+        self._offline_ids = itertools.count()
+
+    def _build_runner(self, attn_backend: AttentionBackend, backend_name: str) -> ModelRunner:
+        """A single rank's runner: the KV cache sized (on CUDA by a profiling run), the
+        autotuners run and the decode graphs captured."""
+        config, mc = self.config, self.model_config
+        graph_batch_size = decode_graph_batch_size(config, self.device, backend_name)
+        memory = self._profile_memory(graph_batch_size, autotunes=backend_name == "triton")
+        kv_caches = create_kv_caches(mc, config, self.device, self.dtype, memory)
+        runner = ModelRunner(self.model, attn_backend, kv_caches, config.block_size, self.device)
         # Every autotuner runs now, on the real cache, so that no request waits for one;
         # before the graphs, whose capture must not tune.
         attn_backend.tune(
@@ -135,12 +168,8 @@ class Engine:
             max_model_len=self.max_model_len,
         )
         if graph_batch_size is not None:
-            self.runner.capture_decode_graphs(graph_batch_size, self.max_model_len)
-        self.structured = StructuredOutputs(source, mc.vocab_size, self.eos_token_ids)
-        self.structured.start_loading()
-        self.model_card = self._model_card(source)
-        self._num_steps = 0
-        self._offline_ids = itertools.count()
+            runner.capture_decode_graphs(graph_batch_size, self.max_model_len)
+        return runner
 
     def _profile_memory(self, graph_batch_size: int | None, *, autotunes: bool) -> MemoryUse | None:
         """On CUDA without an explicit `kv_cache_memory_gb`, what the largest steps, the
@@ -220,6 +249,10 @@ class Engine:
             request.sampling.validate(self.vocab_size)
         except SamplingParamsError as exc:
             raise RequestRejected("invalid_request", exc.message) from exc
+        if self._tp is not None and request.sampling.prompt_logprobs is not None:
+            raise RequestRejected(
+                "invalid_request", "prompt_logprobs are not served with tensor parallelism yet"
+            )
         if request.priority != 0 and self.config.scheduling_policy == "fcfs":
             raise RequestRejected(
                 "invalid_request",
@@ -248,12 +281,21 @@ class Engine:
     def step(self) -> list[RequestDelta]:
         """Run one engine step; return a delta for every sequence that got a token."""
         output = self.scheduler.schedule()
-        # Before this step's rows are laid out: an id that left may be back as a new request.
-        self.runner.release(output.finished_request_ids)
         self.sampler.release(output.finished_request_ids)
-        if output.is_empty:
-            return []
-        run = self.runner.execute(output.scheduled)
+        if self._tp is not None:
+            # The followers release with the next step they run, whichever step that is.
+            self._tp_released.extend(output.finished_request_ids)
+            if output.is_empty:
+                return []
+            released, self._tp_released = self._tp_released, []
+            run = self._tp.step(output.scheduled, released)
+        else:
+            # Before this step's rows are laid out: an id that left may be back as a new
+            # request.
+            self.runner.release(output.finished_request_ids)
+            if output.is_empty:
+                return []
+            run = self.runner.execute(output.scheduled)
         logits = run.logits
         if run.prompt_hidden is not None:
             self._score_prompts(output.scheduled, run.prompt_hidden)
@@ -414,6 +456,19 @@ class Engine:
     @torch.inference_mode()
     def reset_prefix_cache(self) -> None:
         self.kv.reset_prefix_cache()
+
+    # ---- lifetime ------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (idempotent; nothing to do at TP=1)."""
+        if self._tp is not None:
+            self._tp.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 def max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:

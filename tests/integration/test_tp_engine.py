@@ -1,0 +1,109 @@
+"""`Engine(tensor_parallel_size=2)` on CPU: the engine spawns its second rank (gloo), leads
+every step, and its greedy tokens are TP=1's. A follower killed mid-run makes the next
+step raise an error naming it, and a bad configuration is refused before anything starts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpu_worker.core.config import EngineConfig
+from gpu_worker.engine.engine import Engine
+from gpu_worker.engine.tp_worker import TPRankFailed, resolve_tp_config
+from shared.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+# Two prompts share 2 full blocks of 16, so the second reuses the first's cached prefix.
+SHARED = list(range(3, 35))
+PROMPTS = [SHARED + [40, 41, 42], SHARED + [50, 51], [7, 8, 9, 10, 11]]
+
+
+def _greedy(**engine_args: Any) -> tuple[list[list[int]], list[int]]:
+    with Engine(device="cpu", **engine_args) as engine:
+        first = engine.generate(PROMPTS[:1], GREEDY)
+        rest = engine.generate(PROMPTS[1:], GREEDY)
+    completions = first + rest
+    return [c.token_ids for c in completions], [c.num_cached_tokens for c in completions]
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.helpers.tiny_models import save_tiny_model, save_tiny_tokenizer  # transformers
+
+    out, hf = save_tiny_model(
+        tmp_path_factory.mktemp("tp_engine") / "qwen3", "qwen3", tie_word_embeddings=True
+    )
+    save_tiny_tokenizer(out, hf.config.vocab_size)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_tiny_qwen3_tp2_greedy_equals_tp1_with_prefix_caching(tiny_qwen3: Path) -> None:
+    tp1 = _greedy(model=str(tiny_qwen3))
+    tp2 = _greedy(model=str(tiny_qwen3), tensor_parallel_size=2, dist_timeout_s=20.0)
+    assert tp2 == tp1
+    assert tp2[1][1] == 32, "the second batch reused the first prompt's two full blocks"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_builtin_smollm2_tp2_greedy_equals_tp1() -> None:
+    """SmolLM2's 9 heads over 3 KV heads split unevenly between the 2 ranks."""
+    tp1 = _greedy()
+    tp2 = _greedy(tensor_parallel_size=2, dist_timeout_s=60.0)
+    assert tp2[0] == tp1[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_dead_follower_fails_the_next_step_naming_it(tiny_qwen3: Path) -> None:
+    engine = Engine(model=str(tiny_qwen3), device="cpu", tensor_parallel_size=2)
+    try:
+        engine.generate(PROMPTS[2:], GREEDY)
+        assert engine._tp is not None
+        [follower] = engine._tp.processes
+        assert follower.pid is not None
+        os.kill(follower.pid, signal.SIGKILL)
+        follower.join(10)
+        with pytest.raises(TPRankFailed, match="tp-rank-1"):
+            engine.generate(PROMPTS[2:], GREEDY)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (dict(tensor_parallel_size=0), "must be positive"),
+        (dict(tensor_parallel_size=3, nnodes=2, dist_init_addr="h:1"), "do not divide"),
+        (dict(tensor_parallel_size=4, nnodes=2, node_rank=2, dist_init_addr="h:1"), "outside"),
+        (dict(tensor_parallel_size=4, nnodes=2), "need dist_init_addr"),
+        (dict(tensor_parallel_size=2, dist_timeout_s=0.0), "dist_timeout_s"),
+    ],
+)
+def test_bad_parallel_configs_are_refused(args: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        EngineConfig.from_kwargs(**args)
+
+
+def test_tp_config_from_flags_and_from_torchrun() -> None:
+    config = EngineConfig(
+        tensor_parallel_size=8, nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:29500"
+    )
+    tp = resolve_tp_config(config, {})
+    assert (tp.rank, tp.tp_rank_offset, tp.nnodes, tp.dist_init_addr) == (
+        4,
+        4,
+        2,
+        "10.0.0.1:29500",
+    )
+    assert resolve_tp_config(EngineConfig(tensor_parallel_size=2), {}).address()[0] == "127.0.0.1"
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1234"}
+    from_env = resolve_tp_config(config, env)
+    assert (from_env.tensor_parallel_size, from_env.dist_init_addr) == (2, "h:1234")

@@ -126,10 +126,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"gpu-worker: error: {exc}", file=sys.stderr)
             return 2
     config = config_from_args(args)
+    if config.node_rank > 0:
+        from gpu_worker.engine.tp_worker import run_follower_node
+
+        # Only node 0 serves: this node's ranks follow rank 0's steps, no socket here.
+        return run_follower_node(config)
     # Heavy imports after argument parsing, so `--help` is instant.
     import zmq
 
     from gpu_worker.engine.engine import Engine
+    from gpu_worker.engine.tp_worker import TPRankFailed
     from gpu_worker.runner.device import Nvml
     from gpu_worker.server.metrics_http import WorkerMetrics
     from gpu_worker.server.zmq_server import WorkerServer
@@ -145,6 +151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ModelNotFoundError, ValueError) as exc:
         print(f"gpu-worker: error: {exc}", file=sys.stderr)
         return 2
+    except TPRankFailed as exc:
+        print(f"gpu-worker: error: {exc}", file=sys.stderr)
+        return 1
     metrics = None
     if metrics_server is not None:
         metrics = WorkerMetrics(engine.model_card.model_id)
@@ -168,7 +177,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"gpu-worker ready on {server.endpoint}", flush=True)
     try:
         server.serve_forever()
+    except TPRankFailed as exc:
+        # The group cannot step without the rank: exit so render servers fail over.
+        print(f"gpu-worker: error: {exc}", file=sys.stderr)
+        return 1
     finally:
+        engine.close()
         if metrics_server is not None:
             metrics_server.close()
     return 0

@@ -463,6 +463,8 @@ class Engine:
         """Stop the other tensor-parallel ranks (idempotent; nothing to do at TP=1)."""
         if self._tp is not None:
             self._tp.close()
+            # atexit's reference would keep a closed engine's model alive until exit.
+            atexit.unregister(self.close)
 
     def __enter__(self) -> Engine:
         return self

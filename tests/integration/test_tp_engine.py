@@ -11,10 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from gpu_worker.core.config import EngineConfig
+from gpu_worker.core.scheduler import Scheduler
 from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.tp_worker import TPRankFailed, resolve_tp_config
+from gpu_worker.loader import load_config
+from gpu_worker.runner.kv_caches import kv_cache_bytes_per_block
+from shared.model_source import resolve_model
 from shared.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -49,6 +54,44 @@ def test_tiny_qwen3_tp2_greedy_equals_tp1_with_prefix_caching(tiny_qwen3: Path) 
     tp2 = _greedy(model=str(tiny_qwen3), tensor_parallel_size=2, dist_timeout_s=20.0)
     assert tp2 == tp1
     assert tp2[1][1] == 32, "the second batch reused the first prompt's two full blocks"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_tiny_qwen3_tp2_under_preemption_equals_tp1(
+    tiny_qwen3: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """8 blocks of 16 for 6 sequences of ~3 blocks each: rank 0 preempts and recomputes,
+    and every rank's cache follows its block ids. The scheduler runs in this process."""
+    preemptions: list[str] = []
+    preempt = Scheduler._preempt
+
+    def counting_preempt(scheduler: Scheduler, seq: Any) -> None:
+        preemptions.append(seq.request_id)
+        preempt(scheduler, seq)
+
+    monkeypatch.setattr(Scheduler, "_preempt", counting_preempt)
+    config = load_config(resolve_model(str(tiny_qwen3)))
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(20 + i)] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tokens = []
+    for size in (1, 2):
+        # At TP=2 each rank holds one of the 2 KV heads: the same 8 blocks in half the bytes.
+        local_kv_heads = config.num_kv_heads // size
+        per_block = kv_cache_bytes_per_block(
+            config.num_layers, 16, local_kv_heads, config.head_dim, torch.float32
+        )
+        args: dict[str, Any] = dict(
+            tensor_parallel_size=size,
+            kv_cache_memory_gb=8 * per_block / (1 << 30),
+            enable_prefix_caching=False,
+        )
+        with Engine(model=str(tiny_qwen3), device="cpu", **args) as engine:
+            assert engine.kv.num_blocks == 8
+            preemptions.clear()
+            tokens.append([c.token_ids for c in engine.generate(prompts, params)])
+            assert preemptions, f"nothing was preempted at TP={size}"
+    assert tokens[1] == tokens[0]
 
 
 @pytest.mark.slow

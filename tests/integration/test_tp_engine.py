@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from gpu_worker.loader import load_config
 from gpu_worker.runner.kv_caches import kv_cache_bytes_per_block
 from shared.model_source import resolve_model
 from shared.sampling import SamplingParams
+from tests.helpers.processes import free_port
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 # Two prompts share 2 full blocks of 16, so the second reuses the first's cached prefix.
@@ -118,6 +121,29 @@ def test_dead_follower_fails_the_next_step_naming_it(tiny_qwen3: Path) -> None:
             engine.generate(PROMPTS[2:], GREEDY)
     finally:
         engine.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_two_nodes_on_one_host(tiny_qwen3: Path) -> None:
+    """Node 1 is `gpu-worker --node-rank 1` (its rank only follows, no socket); node 0 is
+    the engine. Rank 0's stop message ends node 1's process with exit code 0."""
+    tp1 = _greedy(model=str(tiny_qwen3))
+    address = f"127.0.0.1:{free_port()}"
+    flags = ["--tensor-parallel-size", "2", "--nnodes", "2", "--dist-init-addr", address]
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "gpu_worker.cli", "--model", str(tiny_qwen3), "--device", "cpu"]
+        + [*flags, "--node-rank", "1", "--log-level", "warning"]
+    )
+    try:
+        tp2 = _greedy(
+            model=str(tiny_qwen3), tensor_parallel_size=2, nnodes=2, dist_init_addr=address
+        )
+        assert node1.wait(30) == 0
+    finally:
+        node1.kill()
+        node1.wait()
+    assert tp2 == tp1
 
 
 @pytest.mark.parametrize(

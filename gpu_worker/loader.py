@@ -235,14 +235,17 @@ def _qwen_layer_windows(cfg: dict[str, Any], window: int | None) -> tuple[int | 
     return tuple(window if t == "sliding_attention" else None for t in types)
 
 
-def iter_hf_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Tensors of `model.safetensors` or of every shard in `model.safetensors.index.json`."""
+def _safetensors_files(model_dir: Path) -> list[str]:
+    """`model.safetensors`, or every shard `model.safetensors.index.json` names."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    for file in files:
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return ["model.safetensors"]
+
+
+def iter_hf_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint's safetensors files."""
+    for file in _safetensors_files(model_dir):
         with safe_open(str(model_dir / file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 yield name, f.get_tensor(name)
@@ -251,12 +254,7 @@ def iter_hf_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def iter_hf_slices(model_dir: Path) -> Iterator[tuple[str, TensorSource]]:
     """`iter_hf_weights`, each tensor lazy: indexing it reads only the rows or columns it
     names from the file, so a tensor-parallel rank never holds a whole tensor."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    for file in files:
+    for file in _safetensors_files(model_dir):
         with safe_open(str(model_dir / file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 yield name, f.get_slice(name)

@@ -140,6 +140,12 @@ class EngineConfig:
         if self.dist_timeout_s <= 0:
             raise ValueError(f"dist_timeout_s must be positive, got {self.dist_timeout_s}")
 
+    def context_limit(self, max_position_embeddings: int) -> int:
+        """The longest sequence served: `max_model_len`, else the model's context. A sliding
+        window does not bound it: attention masks keys outside each layer's window (the
+        cache keeps them all)."""
+        return self.max_model_len or max_position_embeddings
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """The config of `Engine(**kwargs)`; an unknown keyword is a TypeError naming it."""

@@ -32,7 +32,6 @@ from gpu_worker.engine.errors import RequestRejected
 from gpu_worker.engine.profile_sampling import profile_sampling
 from gpu_worker.engine.tp_worker import TPLeader
 from gpu_worker.loader import load_model
-from gpu_worker.models.config import ModelConfig
 from gpu_worker.ops.layer_ops import get_layer_ops
 from gpu_worker.runner.device import resolve_device, resolve_dtype
 from gpu_worker.runner.kv_budget import MemoryUse
@@ -118,7 +117,7 @@ class Engine:
         mc = self.model_config
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = list(mc.eos_token_ids)
-        self.max_model_len = max_model_len(config, mc)
+        self.max_model_len = config.context_limit(mc.max_position_embeddings)
 
         # The sampler first: on CUDA its buffers are part of what the profile measures.
         self.sampler = Sampler(mc.vocab_size, self.device, self.eos_token_ids)
@@ -471,12 +470,6 @@ class Engine:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
-    """The configured limit, else the model's context. A sliding window does not bound it:
-    attention masks keys outside each layer's window (the cache keeps them all)."""
-    return config.max_model_len or model_config.max_position_embeddings
 
 
 def decode_graph_batch_size(

@@ -139,7 +139,7 @@ def build_rank(config: EngineConfig, group: TPGroup) -> RankParts:
         kv_caches[0],
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=config.max_model_len or mc.max_position_embeddings,
+        max_model_len=config.context_limit(mc.max_position_embeddings),
     )
     return RankParts(model, mc, runner, attn_backend, dtype)
 

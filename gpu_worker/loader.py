@@ -3,7 +3,8 @@
 Both sources are turned into one `ModelConfig` and a stream of HF-named tensors, which the
 model copies into its (fused) parameters. GGUF tensors are dequantized to fp32 with the
 `gguf` package, and llama.cpp's Q/K row permutation is undone so that every model uses HF's
-rotate_half rotary convention.
+rotate_half rotary convention. A tensor-parallel rank reads both lazily, only its part of each
+tensor (`gguf_tensors` for GGUF).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from gpu_worker.attention.backend import AttentionBackend
 from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from gpu_worker.distributed.group import TPGroup
 from gpu_worker.distributed.parallelize import parallelize
+from gpu_worker.gguf_tensors import GGUFTensorSource
 from gpu_worker.models import CausalLM, get_model_class
 from gpu_worker.models.config import LongRope, ModelConfig, RopeScaling
 from gpu_worker.models.weights import TensorSource
@@ -467,11 +469,15 @@ def _dequantize(tensor: ReaderTensor, name: str, config: ModelConfig) -> torch.T
             array = unpermute_qk(array, config.num_heads)
         elif ".k_proj." in name:
             array = unpermute_qk(array, config.num_kv_heads)
-    if config.architecture in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+    if _is_stored_plus_one(name, config):
         array = array - 1.0  # a new array
     if not array.flags.writeable:  # F32 tensors come back as views of the read-only mmap
         array = array.copy()
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+
+
+def _is_stored_plus_one(name: str, config: ModelConfig) -> bool:
+    return config.architecture in _NORM_PLUS_ONE and name.endswith("norm.weight")
 
 
 def _qk_row_order(name: str, rows: int, config: ModelConfig) -> np.ndarray | None:
@@ -521,6 +527,22 @@ def iter_gguf_weights(
             yield done_name, future.result()
 
 
+def iter_gguf_slices(
+    reader: gguf.GGUFReader, config: ModelConfig
+) -> Iterator[tuple[str, TensorSource]]:
+    """`iter_gguf_weights`, each tensor lazy: indexing it dequantizes only the rows (and the
+    blocks of columns) it names, Q/K rows read through their HF order, so a
+    tensor-parallel rank never dequantizes a whole tensor."""
+    arch = config.architecture
+    for tensor in reader.tensors:
+        name = gguf_to_hf_name(tensor.name, arch)
+        if name is None:
+            continue
+        order = _qk_row_order(name, int(tensor.shape[-1]), config)
+        offset = 1.0 if _is_stored_plus_one(name, config) else 0.0
+        yield name, GGUFTensorSource(tensor, order, offset)
+
+
 def load_config(source: ModelSource) -> ModelConfig:
     """The config alone (cheap for HF; a GGUF file's header must still be parsed)."""
     if source.kind == "gguf":
@@ -546,20 +568,22 @@ def load_model(
     tables cover it, and LongRoPE takes its short factors when it fits the original context.
 
     With a `tp_group` the model is that rank's shard (`gpu_worker.distributed.parallelize`):
-    from safetensors the rank reads only its rows and columns of each tensor; a GGUF
-    tensor is dequantized whole (one at a time, its Q/K rows unpermuted) and then sliced,
-    and the rank's shard runs on dense weights, not on the file's quantized blocks. The
-    returned config is the full model's."""
+    the rank reads only its rows and columns of each tensor, from safetensors or GGUF (a
+    GGUF tensor's blocks covering them, dequantized; its Q/K rows found through llama.cpp's
+    order). The shard runs on dense weights in `dtype`, not on the file's quantized blocks
+    (`gguf_kernels` is for one rank alone). The returned config is the full model's."""
     device = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    sharded = tp_group is not None and tp_group.world_size > 1
+    weights: Iterator[tuple[str, TensorSource]]
     if source.kind == "gguf":
         config = config_from_gguf(read_gguf_metadata(source.path))
         reader = gguf.GGUFReader(source.path)  # for the tensors alone
-        weights: Iterator[tuple[str, TensorSource]] = iter_gguf_weights(reader, config)
+        read = iter_gguf_slices if sharded else iter_gguf_weights
+        weights = read(reader, config)
     else:
         config = config_from_hf(json.loads((source.path / "config.json").read_text()))
-        sharded = tp_group is not None and tp_group.world_size > 1
         weights = iter_hf_slices(source.path) if sharded else iter_hf_weights(source.path)
     if max_model_len is not None:
         config = dataclasses.replace(config, max_position_embeddings=max_model_len)
@@ -567,13 +591,13 @@ def load_model(
     # Build on the meta device: no random init of weights that are overwritten at once.
     with torch.device("meta"):
         model = model_cls(config, attn_backend or TorchAttentionBackend(), layer_ops)
-        if tp_group is not None and tp_group.world_size > 1:
+        if tp_group is not None and sharded:
             parallelize(model, tp_group)
     model = model.to(dtype).to_empty(device=device)
     # A rank's shard takes lazy tensors: its shard hook (`load_stacked_weights`) reads them.
     model.load_weights(cast(Iterator[tuple[str, torch.Tensor]], weights))
     model.build_caches(device)
-    quantized = gguf_kernels and (tp_group is None or tp_group.world_size == 1)
+    quantized = gguf_kernels and not sharded
     if source.kind == "gguf" and quantized and quantized_kernels_available(device, dtype):
         # fp32 on CPU: decode reads the file's 4-8 bit blocks instead (gpu_worker.ops.gguf_linear).
         model.attach_quantized(gguf_block_weights(reader, config))

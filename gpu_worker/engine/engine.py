@@ -12,6 +12,7 @@ the offline API for batch inference without HTTP:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import logging
 import time
@@ -19,25 +20,16 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_worker.attention.backend import (
-    AttentionBackend,
-    get_attention_backend,
-    resolve_backend_name,
-)
 from gpu_worker.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from gpu_worker.core.kv_cache import KVCacheManager
 from gpu_worker.core.scheduler import ScheduledSequence, Scheduler
 from gpu_worker.core.sequence import FinishReason, Sequence
+from gpu_worker.distributed.group import TPGroup
 from gpu_worker.engine.errors import RequestRejected
 from gpu_worker.engine.profile_sampling import profile_sampling
+from gpu_worker.engine.rank import build_runner, load_rank_model
 from gpu_worker.engine.tp_worker import TPLeader
-from gpu_worker.loader import load_model
-from gpu_worker.ops.layer_ops import get_layer_ops
-from gpu_worker.runner.device import resolve_device, resolve_dtype
-from gpu_worker.runner.kv_budget import MemoryUse
-from gpu_worker.runner.kv_caches import create_kv_caches
-from gpu_worker.runner.model_runner import ModelRunner
-from gpu_worker.runner.profiling import CudaMemoryProbe, ProfileShapes, profile_memory
+from gpu_worker.runner.device import resolve_device
 from gpu_worker.sampling.prompt_logprobs import record_prompt_logprobs, score_prompt_rows
 from gpu_worker.sampling.sampler import Sampler, SamplerOutput, new_sampler_state
 from gpu_worker.sampling.structured import RequestMatcher, StructuredOutputs
@@ -84,47 +76,32 @@ class Engine:
             engine_args["model"] = model
         self.config = config = EngineConfig.from_kwargs(device=device, **engine_args)
         source = resolve_model(config.model, config.served_model_name)
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        backend_name = resolve_backend_name(config.attention_backend, self.device)
-        attn_backend = get_attention_backend(backend_name)
         started = time.perf_counter()
         # With tensor parallelism this process is rank 0: it starts the node's other ranks,
-        # and each builds its own shard, KV cache and runner (`tp_worker.build_rank`).
+        # which build their shards as it builds its own (`gpu_worker.engine.rank`).
         self._tp: TPLeader | None = None
+        self._tp_released: list[str] = []
         if config.tensor_parallel_size > 1:
             self._tp = TPLeader(config)
             atexit.register(self.close)
-            parts = self._tp.parts
-            self.model, self.model_config = parts.model, parts.model_config
-            self.device, self.dtype, attn_backend = (
-                parts.runner.device,
-                parts.dtype,
-                parts.attn_backend,
-            )
+            group = self._tp.group
         else:
-            self.model, self.model_config = load_model(
-                source,
-                self.device,
-                self.dtype,
-                attn_backend,
-                layer_ops=get_layer_ops(backend_name),
-                gguf_kernels=config.cpu_gguf_kernels,
-                max_model_len=config.max_model_len,
+            group = TPGroup.single(resolve_device(config.device))
+        with self._tp.starting() if self._tp is not None else contextlib.nullcontext():
+            rank = load_rank_model(config, source, group)
+            logger.info("loaded %s in %.1fs", source.name, time.perf_counter() - started)
+            self.model, self.model_config = rank.model, rank.model_config
+            self.device, self.dtype = rank.device, rank.dtype
+            mc = self.model_config
+            self.vocab_size = mc.vocab_size
+            self.eos_token_ids = list(mc.eos_token_ids)
+            self.max_model_len = config.context_limit(mc.max_position_embeddings)
+            # The sampler first: on CUDA its buffers are part of what the profile measures.
+            self.sampler = Sampler(mc.vocab_size, self.device, self.eos_token_ids)
+            post_forward = profile_sampling(
+                self.sampler, self.model.compute_logits, self.vocab_size, config.block_size
             )
-        self._tp_released: list[str] = []
-        logger.info("loaded %s in %.1fs", source.name, time.perf_counter() - started)
-        mc = self.model_config
-        self.vocab_size = mc.vocab_size
-        self.eos_token_ids = list(mc.eos_token_ids)
-        self.max_model_len = config.context_limit(mc.max_position_embeddings)
-
-        # The sampler first: on CUDA its buffers are part of what the profile measures.
-        self.sampler = Sampler(mc.vocab_size, self.device, self.eos_token_ids)
-        if self._tp is not None:
-            self.runner = self._tp.parts.runner
-        else:
-            self.runner = self._build_runner(attn_backend, backend_name)
+            self.runner = build_runner(config, rank, group, post_forward)
         self.kv = KVCacheManager(
             CacheConfig(
                 block_size=config.block_size,
@@ -148,55 +125,6 @@ class Engine:
         self.model_card = self._model_card(source)
         self._num_steps = 0
         self._offline_ids = itertools.count()
-
-    def _build_runner(self, attn_backend: AttentionBackend, backend_name: str) -> ModelRunner:
-        """A single rank's runner: the KV cache sized (on CUDA by a profiling run), the
-        autotuners run and the decode graphs captured."""
-        config, mc = self.config, self.model_config
-        graph_batch_size = decode_graph_batch_size(config, self.device, backend_name)
-        memory = self._profile_memory(graph_batch_size, autotunes=backend_name == "triton")
-        kv_caches = create_kv_caches(mc, config, self.device, self.dtype, memory)
-        runner = ModelRunner(self.model, attn_backend, kv_caches, config.block_size, self.device)
-        # Every autotuner runs now, on the real cache, so that no request waits for one;
-        # before the graphs, whose capture must not tune.
-        attn_backend.tune(
-            mc,
-            kv_caches[0],
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-        )
-        if graph_batch_size is not None:
-            runner.capture_decode_graphs(graph_batch_size, self.max_model_len)
-        return runner
-
-    def _profile_memory(self, graph_batch_size: int | None, *, autotunes: bool) -> MemoryUse | None:
-        """On CUDA without an explicit `kv_cache_memory_gb`, what the largest steps, the
-        autotuner and the decode graphs need beside the KV cache (a profiling run); None
-        elsewhere: CPU keeps its fixed default and pays no profiling forward at start-up."""
-        config = self.config
-        if self.device.type != "cuda" or config.kv_cache_memory_gb is not None:
-            return None
-        shapes = ProfileShapes(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            block_size=config.block_size,
-            graph_batch_size=graph_batch_size,
-        )
-        sampling = profile_sampling(
-            self.sampler, self.model.compute_logits, self.vocab_size, config.block_size
-        )
-        return profile_memory(
-            self.model,
-            self.model_config,
-            shapes,
-            sampling,
-            CudaMemoryProbe(self.device),
-            dtype=self.dtype,
-            device=self.device,
-            autotunes=autotunes,
-        )
 
     def _model_card(self, source: ModelSource) -> ModelCard:
         mc = self.model_config
@@ -248,10 +176,6 @@ class Engine:
             request.sampling.validate(self.vocab_size)
         except SamplingParamsError as exc:
             raise RequestRejected("invalid_request", exc.message) from exc
-        if self._tp is not None and request.sampling.prompt_logprobs is not None:
-            raise RequestRejected(
-                "invalid_request", "prompt_logprobs are not served with tensor parallelism yet"
-            )
         if request.priority != 0 and self.config.scheduling_policy == "fcfs":
             raise RequestRejected(
                 "invalid_request",
@@ -287,7 +211,7 @@ class Engine:
             if output.is_empty:
                 return []
             released, self._tp_released = self._tp_released, []
-            run = self._tp.step(output.scheduled, released)
+            run = self._tp.step(self.runner, output.scheduled, released)
         else:
             # Before this step's rows are laid out: an id that left may be back as a new
             # request.
@@ -470,17 +394,3 @@ class Engine:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def decode_graph_batch_size(
-    config: EngineConfig, device: torch.device, backend_name: str
-) -> int | None:
-    """The largest decode batch to capture in CUDA graphs, or None for none: graphs need
-    CUDA and the Triton backend (the torch backend plans each step on the host), and
-    `enforce_eager` turns them off."""
-    if device.type != "cuda" or backend_name != "triton" or config.enforce_eager:
-        return None
-    max_batch = config.cuda_graph_max_batch_size or min(config.max_num_seqs, 512)
-    if max_batch < 1:
-        raise ValueError(f"cuda_graph_max_batch_size must be positive, got {max_batch}")
-    return min(max_batch, config.max_num_seqs)

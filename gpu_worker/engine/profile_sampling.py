@@ -7,6 +7,8 @@ Every dummy request asks for every option that allocates: repetition, frequency 
 presence penalties (per-row vocabulary counts and prompt masks), min-p and a top-p the
 candidate set cannot satisfy (the full-vocabulary sort), the most logprobs, and a seed on
 every other row (seeded draws); the step also scores a full slice of prompt logprobs.
+A TP follower, which neither samples nor scores, joins that slice's logits gather
+(`follow_profile_scoring`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,11 @@ import torch
 
 from gpu_worker.core.sequence import Sequence
 from gpu_worker.runner.profiling import PostForward
-from gpu_worker.sampling.prompt_logprobs import SLICE_ROWS, score_prompt_rows
+from gpu_worker.sampling.prompt_logprobs import (
+    SLICE_ROWS,
+    follow_prompt_scoring,
+    score_prompt_rows,
+)
 from gpu_worker.sampling.sampler import Sampler, SamplingRequest, new_sampler_state
 from shared.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -58,6 +64,16 @@ def profile_sampling(
         ]
         sampler.sample(logits, requests)
         sampler.release([seq.request_id for seq in requests])
+
+    return run
+
+
+def follow_profile_scoring(compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> PostForward:
+    """A TP follower's `PostForward`: its part of rank 0's prompt-logprob slice
+    (`profile_sampling`), the one collective after the forward."""
+
+    def run(logits: torch.Tensor, hidden: torch.Tensor) -> None:
+        follow_prompt_scoring(hidden[: min(hidden.shape[0], SLICE_ROWS)], compute_logits)
 
     return run
 

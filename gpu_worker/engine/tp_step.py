@@ -8,7 +8,9 @@ the prompt-logprob rows. `encode_step` packs it into one `StepMessage` of raw ar
 `broadcast_step` carries it over the host group, and each follower rebuilds the batch and
 runs it through `ModelRunner.execute_host`, as rank 0 does its own: the block-table writes
 land alike on every rank, so every rank's table stays rank 0's. Followers do not sample;
-their logits (only rank 0 gets full ones once the LM head gathers) are dropped.
+their logits (only rank 0 gets full ones once the LM head gathers) are dropped. A step
+with prompt-logprob rows ends, on rank 0, in their scoring, whose logits are gathers too:
+each follower joins them (`follow_prompt_scoring`) before it waits for the next step.
 
 Over a world of 1, `lead_step` is `prepare` plus `execute_host`: nothing is encoded.
 
@@ -30,6 +32,7 @@ from gpu_worker.distributed.comm import broadcast_step
 from gpu_worker.distributed.group import TPGroup
 from gpu_worker.runner.block_table import BlockTableStep
 from gpu_worker.runner.model_runner import HostBatch, ModelRunner, RunnerOutput
+from gpu_worker.sampling.prompt_logprobs import follow_prompt_scoring
 
 WireDType = Literal["int64", "int32"]
 
@@ -190,6 +193,8 @@ def follower_loop(runner: ModelRunner, group: TPGroup) -> int:
     num_steps = 0
     while (step := decode_step(broadcast_step(group, None))) is not None:
         runner.release(step.released)
-        runner.execute_host(step.batch)
+        output = runner.execute_host(step.batch)
+        if output.prompt_hidden is not None:  # rank 0 scores these rows after the step
+            follow_prompt_scoring(output.prompt_hidden, runner.compute_logits)
         num_steps += 1
     return num_steps

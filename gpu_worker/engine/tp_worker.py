@@ -1,17 +1,15 @@
-"""The ranks of a tensor-parallel engine: how each is built, and how rank 0 starts, leads
-and stops the others.
+"""The ranks of a tensor-parallel engine: how rank 0 starts, leads and stops the others.
 
-Every rank builds the same thing from the same `EngineConfig`: its shard of the model
-(`load_model(tp_group=...)`), a KV cache for its local KV heads and a `ModelRunner`
-(`build_rank`). The caches hold the same number of blocks on every rank, the smallest any
-rank can afford (a MIN all-reduce), because rank 0's block ids index every rank's cache.
-Rank 0 is the `Engine` in the driver process: `TPLeader` spawns its node's other ranks,
-each running `follower_main` until rank 0's stop message, and wraps `lead_step` so a
-dead rank surfaces as a `TPRankFailed` naming it. A node other than node 0 runs only
+Every rank builds the same thing from the same `EngineConfig` (`gpu_worker.engine.rank`):
+its shard of the model, a KV cache for its local KV heads, sized alike on every rank, and
+a runner. Rank 0 is the `Engine` in the driver process: `TPLeader` spawns its node's other
+ranks, each running `follower_main` until rank 0's stop message, and wraps `lead_step`
+so a dead rank surfaces as a `TPRankFailed` naming it; a follower that fails at start-up
+sends rank 0 its traceback, which rank 0 raises. A node other than node 0 runs only
 followers (`run_follower_node`), started by `gpu-worker --node-rank N`.
 
-Not yet at TP > 1: the CUDA memory profile (the KV cache needs `kv_cache_memory_gb`),
-CUDA graphs (steps run eagerly) and prompt logprobs (their scoring gathers outside a step).
+A follower that fails before it joins the group is reported once rank 0's rendezvous
+times out (`dist_timeout_s`): joining cannot be interrupted.
 """
 
 from __future__ import annotations
@@ -22,30 +20,20 @@ import os
 import queue
 import socket
 import traceback
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, TypeAlias
 
 import torch
-import torch.distributed as dist
 
-from gpu_worker.attention.backend import (
-    AttentionBackend,
-    get_attention_backend,
-    resolve_backend_name,
-)
 from gpu_worker.core.config import EngineConfig
 from gpu_worker.core.scheduler import ScheduledSequence
 from gpu_worker.distributed.group import TPConfig, TPGroup, init_tp_group, rank_device
-from gpu_worker.distributed.sharding import local_heads
+from gpu_worker.engine.profile_sampling import follow_profile_scoring
+from gpu_worker.engine.rank import build_runner, load_rank_model
 from gpu_worker.engine.tp_step import follower_loop, lead_step, stop_followers
-from gpu_worker.loader import load_model
-from gpu_worker.models.base import CausalLM
-from gpu_worker.models.config import ModelConfig
-from gpu_worker.ops.layer_ops import get_layer_ops
-from gpu_worker.runner.device import resolve_device, resolve_dtype
-from gpu_worker.runner.kv_caches import allocate_kv_caches, size_kv_cache
+from gpu_worker.runner.device import resolve_device
 from gpu_worker.runner.model_runner import ModelRunner, RunnerOutput
 from shared.model_source import resolve_model
 
@@ -88,62 +76,6 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@dataclass
-class RankParts:
-    """What one rank built: its model shard (with the full model's config), its runner."""
-
-    model: CausalLM
-    model_config: ModelConfig
-    runner: ModelRunner
-    attn_backend: AttentionBackend
-    dtype: torch.dtype
-
-
-def build_rank(config: EngineConfig, group: TPGroup) -> RankParts:
-    """Load this rank's shard on `group.device`, size its KV cache to the group's smallest
-    block count and build its runner. A collective: every rank of the group calls it."""
-    if group.device.type == "cuda" and config.kv_cache_memory_gb is None:
-        raise ValueError("tensor parallelism on CUDA needs --kv-cache-memory-gb for now")
-    device = group.device
-    dtype = resolve_dtype(config.dtype, device)
-    backend_name = resolve_backend_name(config.attention_backend, device)
-    attn_backend = get_attention_backend(backend_name)
-    source = resolve_model(config.model, config.served_model_name)
-    model, mc = load_model(
-        source,
-        device,
-        dtype,
-        attn_backend,
-        layer_ops=get_layer_ops(backend_name),
-        gguf_kernels=config.cpu_gguf_kernels,
-        max_model_len=config.max_model_len,
-        tp_group=group,
-    )
-    heads = local_heads(mc.num_heads, mc.num_kv_heads, group.world_size, group.rank)
-    local_mc = replace(mc, num_kv_heads=heads.num_kv_heads)
-    budget = size_kv_cache(local_mc, config, device, dtype, None)
-    num_blocks = torch.tensor([budget.num_blocks], dtype=torch.int64, device=device)
-    dist.all_reduce(num_blocks, op=dist.ReduceOp.MIN, group=group.device_group)
-    kv_caches = allocate_kv_caches(
-        mc.num_layers,
-        int(num_blocks.item()),
-        config.block_size,
-        heads.num_kv_heads,
-        mc.head_dim,
-        dtype,
-        device,
-    )
-    runner = ModelRunner(model, attn_backend, kv_caches, config.block_size, device)
-    attn_backend.tune(
-        local_mc,
-        kv_caches[0],
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=config.context_limit(mc.max_position_embeddings),
-    )
-    return RankParts(model, mc, runner, attn_backend, dtype)
-
-
 # A string: multiprocessing's Queue is generic to type checkers only.
 ErrorQueue: TypeAlias = "Queue[tuple[int, str]]"
 
@@ -156,7 +88,10 @@ def follower_main(config: EngineConfig, tp_config: TPConfig, errors: ErrorQueue)
         group = init_tp_group(tp_config, device)
         try:
             with torch.inference_mode():
-                follower_loop(build_rank(config, group).runner, group)
+                source = resolve_model(config.model, config.served_model_name)
+                rank = load_rank_model(config, source, group)
+                post_forward = follow_profile_scoring(rank.model.compute_logits)
+                follower_loop(build_runner(config, rank, group, post_forward), group)
         finally:
             group.destroy()
     except BaseException:
@@ -193,11 +128,25 @@ class TPLeader:
         ctx = mp.get_context("spawn")
         self.errors: ErrorQueue = ctx.Queue()
         self.processes = _spawn(config, tp_config, range(1, per_node), self.errors)
-        self.group: TPGroup | None = None
-        try:
+        self._group: TPGroup | None = None
+        with self.starting():
             device = rank_device(resolve_device(config.device).type, 0)
-            self.group = init_tp_group(tp_config, device)
-            self.parts = build_rank(config, self.group)
+            self._group = init_tp_group(tp_config, device)
+
+    @property
+    def group(self) -> TPGroup:
+        """The group rank 0 leads; gone after `close`."""
+        if self._group is None:
+            raise RuntimeError("the tensor-parallel group is closed")
+        return self._group
+
+    @contextmanager
+    def starting(self) -> Iterator[None]:
+        """Rank 0's part of the group's start-up (joining, loading, building the runner):
+        on any failure, stop the group, and when a follower failed first (a rank 0 in a
+        collective sees only that its peer left), raise `TPRankFailed` with its error."""
+        try:
+            yield
         except Exception as exc:
             failure = self._failure(wait_s=2.0)
             self.close()
@@ -205,11 +154,12 @@ class TPLeader:
                 raise TPRankFailed(f"at start-up: {failure}") from exc
             raise
 
-    def step(self, scheduled: list[ScheduledSequence], released: list[str]) -> RunnerOutput:
+    def step(
+        self, runner: ModelRunner, scheduled: list[ScheduledSequence], released: list[str]
+    ) -> RunnerOutput:
         """`lead_step` over the group; a rank that died makes it raise `TPRankFailed`."""
-        assert self.group is not None, "stepped after close"
         try:
-            return lead_step(self.parts.runner, self.group, scheduled, released)
+            return lead_step(runner, self.group, scheduled, released)
         except Exception as exc:
             failure = self._failure(wait_s=1.0) or f"a collective failed: {exc}"
             raise TPRankFailed(f"tensor-parallel group lost a rank: {failure}") from exc
@@ -229,7 +179,7 @@ class TPLeader:
     def close(self) -> None:
         """Stop the followers (idempotent): the stop message, then a kill for any rank
         still running after `STOP_WAIT_S`; then leave the group."""
-        group, self.group = self.group, None
+        group, self._group = self._group, None
         if group is not None:
             try:
                 stop_followers(group)

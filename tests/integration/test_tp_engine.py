@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -176,3 +177,49 @@ def test_tp_config_from_flags_and_from_torchrun() -> None:
     env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1234"}
     from_env = resolve_tp_config(config, env)
     assert (from_env.tensor_parallel_size, from_env.dist_init_addr) == (2, "h:1234")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_prompt_logprobs_at_tp2_equal_tp1(tiny_qwen3: Path) -> None:
+    """Rank 0 scores the prompt rows while the follower joins each slice's logits gather;
+    a chunked prompt (8-token budget) is scored chunk by chunk, as at TP=1."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=3)
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    runs = []
+    for size in (1, 2):
+        with Engine(
+            model=str(tiny_qwen3),
+            device="cpu",
+            tensor_parallel_size=size,
+            max_num_batched_tokens=8,
+            long_prefill_token_threshold=8,
+        ) as engine:
+            runs.append(engine.generate(prompts, params))
+    for tp1, tp2 in zip(*runs, strict=True):
+        assert tp2.token_ids == tp1.token_ids
+        assert tp1.prompt_logprobs is not None and tp2.prompt_logprobs is not None
+        assert len(tp2.prompt_logprobs) == len(tp1.prompt_logprobs)
+        for a, b in zip(tp1.prompt_logprobs[1:], tp2.prompt_logprobs[1:], strict=True):
+            assert a is not None and b is not None
+            assert b.rank == a.rank and b.top_token_ids == a.top_token_ids
+            assert b.logprob == pytest.approx(a.logprob, abs=1e-4)
+            assert b.top_logprobs == pytest.approx(a.top_logprobs, abs=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_follower_failing_at_start_up_is_reported_by_rank_0(
+    tiny_qwen3: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 joins, then cannot load its shard: rank 0's next collective fails at once,
+    and the engine raises the follower's own error, naming its rank."""
+    from gpu_worker.engine import tp_worker
+    from tests.helpers.tp_faults import LOAD_ERROR, follower_failing_to_load
+
+    monkeypatch.setattr(tp_worker, "follower_main", follower_failing_to_load)
+    started = time.monotonic()
+    with pytest.raises(TPRankFailed, match="rank 1 failed") as failure:
+        Engine(model=str(tiny_qwen3), device="cpu", tensor_parallel_size=2, dist_timeout_s=60.0)
+    assert LOAD_ERROR in str(failure.value)
+    assert time.monotonic() - started < 30, "reported within seconds, not at the timeout"

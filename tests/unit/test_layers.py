@@ -83,12 +83,15 @@ ALLOWED: dict[str, set[str]] = {
         "shared",
     },
     "gpu_worker.loader": {
+        "gpu_worker.gguf_tensors",
         "gpu_worker.models",
         "gpu_worker.attention",
         "gpu_worker.ops",
         "gpu_worker.distributed",
         "shared",
     },
+    # A GGUF tensor read lazily, for a TP rank's slices: gguf, numpy and torch alone.
+    "gpu_worker.gguf_tensors": set(),
     "gpu_worker.models": {"gpu_worker.attention", "gpu_worker.ops", "shared"},
     "gpu_worker.attention": {"gpu_worker.ops", "kernels", "shared"},
     "gpu_worker.ops": {"kernels", "shared"},

@@ -2,7 +2,8 @@
 counterparts compute, each rank holding only its shard of the weights.
 
 They are drop-in types for a model's projections (`gpu_worker.ops.linear.Linear`), its
-embedding (`nn.Embedding`) and its logits head (`LogitsHead`), so the fast CPU paths
+embedding (`nn.Embedding`), its logits head (`LogitsHead`) and a MoE layer's experts
+(`gpu_worker.models.moe.Experts`), so the fast CPU paths
 (prepacked bf16, GGUF blocks) still apply to a rank's shard and model code does not
 change. Each takes its shard with `load_shard` from the full checkpoint tensor, which the
 tests use; the loader reads only the rank's slice from safetensors instead (the same
@@ -31,6 +32,9 @@ from gpu_worker.distributed.sharding import (
     vocab_rows,
     vocab_shard,
 )
+from gpu_worker.models.moe import Experts
+from gpu_worker.models.weights import TensorSource
+from gpu_worker.ops.layer_ops import LayerOps
 from gpu_worker.ops.linear import Linear, LogitsHead
 
 
@@ -137,6 +141,46 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce_(self.group, super().forward(x))
+
+
+class ParallelExperts(Experts):
+    """A sparse MoE layer's experts with each expert's SwiGLU split like the dense MLP
+    (vLLM's layout without expert parallelism): the rank keeps its rows of every expert's
+    gate and up and the matching columns of its down, runs the routed tokens through its
+    slice of every expert, and one all-reduce sums the partial outputs. The router stays
+    whole on every rank, so with the same input every rank routes each token alike."""
+
+    def __init__(self, num_experts: int, hidden_size: int, inner_size: int, group: TPGroup) -> None:
+        inner_rows = even_rows(inner_size, group.world_size, group.rank)
+        super().__init__(num_experts, hidden_size, slice_len(inner_rows))
+        self.group = group
+        self.full_inner_size = inner_size
+        self.inner_rows = inner_rows
+        """This rank's rows of each expert's gate and of its up (its columns of down)."""
+
+    def shard_gate_up(self, full: TensorSource) -> torch.Tensor:
+        """The rank's part of the `[experts, 2 * inner, hidden]` stack (gate rows, then
+        up): its gate rows, then its up rows, of every expert."""
+        up_rows = slice(
+            self.full_inner_size + self.inner_rows.start,
+            self.full_inner_size + self.inner_rows.stop,
+        )
+        return torch.cat((full[:, self.inner_rows], full[:, up_rows]), dim=1)
+
+    def shard_down(self, full: TensorSource) -> torch.Tensor:
+        """The rank's columns of the `[experts, hidden, inner]` stack."""
+        return full[:, :, self.inner_rows]
+
+    @torch.no_grad()
+    def load_shard(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Keep this rank's part of the full stacked expert weights."""
+        self.gate_up_proj.copy_(self.shard_gate_up(gate_up))
+        self.down_proj.copy_(self.shard_down(down))
+
+    def forward(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, ops: LayerOps
+    ) -> torch.Tensor:
+        return all_reduce_(self.group, super().forward(x, topk_weights, topk_ids, ops))
 
 
 class VocabParallelEmbedding(nn.Embedding):

@@ -1,11 +1,11 @@
 """Turn a model built as today into one rank's tensor-parallel model.
 
-`parallelize` swaps each projection, the embedding and the LM head for its parallel layer
-type (`gpu_worker.distributed.layers`) and sets each attention's local head counts, so the
-model files stay plain: their forward runs unchanged on a rank's shard. It leaves a
-`TPWeightShard` on the model that `load_stacked_weights` consults for every checkpoint
-tensor, so each rank reads only its rows or columns (from a lazily sliced safetensors
-tensor, the file's bytes past them never read).
+`parallelize` swaps each projection, the embedding, the LM head and each MoE layer's
+experts for its parallel layer type (`gpu_worker.distributed.layers`) and sets each
+attention's local head counts, so the model files stay plain: their forward runs unchanged
+on a rank's shard. It leaves a `TPWeightShard` on the model that `load_stacked_weights`
+consults for every checkpoint tensor, so each rank reads only its rows or columns (from a
+lazily sliced safetensors tensor, the file's bytes past them never read).
 
 Call it before the weights are materialized (the loader does it on the meta device): the
 parallel layers are created on the device and in the dtype of the layers they replace.
@@ -21,6 +21,7 @@ from torch import nn
 from gpu_worker.distributed.group import TPGroup
 from gpu_worker.distributed.layers import (
     ColumnParallelLinear,
+    ParallelExperts,
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -56,11 +57,8 @@ def parallelize(model: nn.Module, group: TPGroup) -> nn.Module:
     config = model.config
     for module in list(model.modules()):
         if isinstance(module, SparseMoeBlock):
-            raise NotImplementedError(
-                f"{config.architecture}: tensor parallelism over mixture-of-experts layers "
-                "is not supported yet"
-            )
-        if isinstance(module, Attention):
+            _parallel_experts(module, config.hidden_size, group)
+        elif isinstance(module, Attention):
             _parallel_attention(module, config.hidden_size, group)
         elif isinstance(module, MLP):
             _parallel_mlp(module, config.hidden_size, group)
@@ -110,10 +108,21 @@ def _parallel_mlp(mlp: MLP, hidden: int, group: TPGroup) -> None:
     mlp.intermediate_size = slice_len(new_down.in_columns)
 
 
+def _parallel_experts(block: SparseMoeBlock, hidden: int, group: TPGroup) -> None:
+    """The experts split like the dense MLP; the router (`block.gate`) stays whole."""
+    experts = block.experts
+    num_experts, _, inner = experts.down_proj.shape
+    with torch.device(experts.down_proj.device):
+        parallel = ParallelExperts(num_experts, hidden, inner, group)
+    block.experts = parallel.to(dtype=experts.down_proj.dtype)
+
+
 class TPWeightShard:
     """Which part of each checkpoint tensor this rank keeps (`gpu_worker.models.weights`'s
     shard hook): its rows of a column-parallel projection, its columns of a row-parallel
-    one, its vocabulary rows, all of a replicated tensor (norms)."""
+    one, its slice of every expert's gate, up and down (from the stacks
+    `gpu_worker.models.moe.stack_expert_weights` yields, lazy when the checkpoint is), its
+    vocabulary rows, all of a replicated tensor (norms, a MoE router)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.modules = dict(model.named_modules())
@@ -135,6 +144,10 @@ class TPWeightShard:
             if kind == "bias":
                 return (full[:], None) if module.bias is not None else None
             return full[:, module.in_columns], None
+        if isinstance(module, ParallelExperts):
+            if kind == "gate_up_proj":
+                return module.shard_gate_up(full), None
+            return module.shard_down(full), None
         if isinstance(module, VocabParallelEmbedding):
             return _vocab(full, module.shard.start, module.shard.num_real, module.shard.rows), None
         if param == self.lm_head_param and self.head is not None:

@@ -5,9 +5,12 @@ Tiny random HF checkpoints: Llama with attention biases (o_proj's bias is rank 0
 and an untied head, Qwen3 (q/k norms) tied, Phi-3 (q/k/v and gate/up fused in the
 checkpoint), Gemma 2 (GeGLU, soft-capping, scaled embeddings) and a SmolLM2-shaped Llama
 whose 9 heads over 3 KV heads split unevenly over 2 ranks, with a vocabulary of 255 rows
-(the last rank's embedding and head shards padded). One spawn of the two ranks loads them
-with `load_model(..., tp_group=...)` and runs a prefill and a decode step through the
-torch attention backend, each rank's paged KV cache sized for its local KV heads.
+(the last rank's embedding and head shards padded); and the mixtures of experts: Mixtral
+(4 experts, top-2, every layer sparse) and Qwen3-MoE with a dense first layer and experts
+of 33 inner rows, split 16 and 17 (the router whole on each rank). One spawn of the two
+ranks loads them with `load_model(..., tp_group=...)` and runs a prefill and a decode step
+through the torch attention backend, each rank's paged KV cache sized for its local KV
+heads.
 """
 
 from __future__ import annotations
@@ -23,12 +26,9 @@ import torch
 from safetensors.torch import load_file
 
 import gpu_worker.loader
-from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from gpu_worker.distributed.group import TPGroup
-from gpu_worker.distributed.parallelize import parallelize
 from gpu_worker.distributed.sharding import local_heads
-from gpu_worker.loader import load_config, load_model
-from gpu_worker.models import get_model_class
+from gpu_worker.loader import load_model
 from gpu_worker.models.weights import TensorSource
 from shared.model_source import ModelSource, resolve_model
 from tests.helpers.tiny_models import PagedRunner, save_tiny_model
@@ -48,27 +48,31 @@ MODELS: dict[str, dict[str, Any]] = {
         num_key_value_heads=3,
         vocab_size=255,
     ),
+    "mixtral": dict(family="mixtral", tie_word_embeddings=False),
+    "qwen3_moe": dict(
+        family="qwen3_moe", tie_word_embeddings=True, mlp_only_layers=[0], moe_intermediate_size=33
+    ),
 }
 PROMPT = [3, 17, 42, 99, 7, 254, 128, 5, 61]
 DECODE_TOKEN = 11
 
 
 def _replicated(name: str) -> bool:
-    """Parameters every rank keeps whole (norms), or rank 0 alone (row-parallel biases):
-    left out of the bytes that shard."""
-    return name.endswith("norm.weight") or name.endswith("o_proj.bias")
+    """Parameters every rank keeps whole (norms, MoE routers), or rank 0 alone (row-parallel
+    biases): left out of the bytes that shard."""
+    return name.endswith(("norm.weight", "o_proj.bias", "mlp.gate.weight"))
 
 
-def _param_bytes(model: torch.nn.Module) -> tuple[int, int]:
-    """(bytes that shard, bytes replicated) over the model's parameters."""
-    sharded = replicated = 0
+def _param_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes that shard, of which the experts', and bytes replicated, over the model's
+    parameters."""
+    sizes = dict.fromkeys(("sharded", "experts", "replicated"), 0)
     for name, param in model.named_parameters():
         size = param.numel() * param.element_size()
-        if _replicated(name):
-            replicated += size
-        else:
-            sharded += size
-    return sharded, replicated
+        sizes["replicated" if _replicated(name) else "sharded"] += size
+        if ".experts." in name:
+            sizes["experts"] += size
+    return sizes
 
 
 @torch.no_grad()
@@ -85,8 +89,7 @@ def _prefill_and_decode(
     runner = PagedRunner(model, config, block_size=4)
     prefill = runner.step({0: prompt})[0]
     decode = runner.step({0: [DECODE_TOKEN]})[0]
-    sharded, replicated = _param_bytes(model)
-    return {"logits": (prefill, decode), "sharded": sharded, "replicated": replicated}
+    return {"logits": (prefill, decode), **_param_bytes(model)}
 
 
 def _rank_check(dirs: dict[str, Path], out: Path, group: TPGroup) -> None:
@@ -127,20 +130,37 @@ def test_rank0_logits_match_tp1(runs: dict[str, Any], name: str) -> None:
     assert all(logits.shape[-1] == 0 for logits in ranks[1]["logits"])
 
 
+# How far from half a rank's share of the weights may be, where heads or experts split
+# unevenly: SmolLM2's shape gives rank 1 two of 3 KV groups of attention; Qwen3-MoE's 33
+# expert rows give rank 1 17 of them, the experts being 44% of that model (rank 1: 50.7%).
+SHARE_TOLERANCE = {"smollm2_shape": 0.1, "qwen3_moe": 0.01}
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_each_rank_holds_about_half_the_weights(runs: dict[str, Any], name: str) -> None:
-    """Past the replicated norms and rank 0's o_proj bias, a rank holds half of the weights
-    where heads split evenly (plus the zero rows padding an odd vocabulary, under 1%), and
-    at most its share of heads otherwise: SmolLM2's shape gives rank 1 two of 3 KV groups
-    of attention, so at most 60% of the whole; the two ranks' shares add up to the model."""
+    """Past the replicated norms, routers and rank 0's o_proj bias, a rank holds half of the
+    weights where heads and experts split evenly (plus the zero rows padding an odd
+    vocabulary, under 1%), and about its share of heads and expert rows otherwise; the two
+    ranks' shares add up to the model."""
     tp1, ranks = runs[name]["tp1"], runs[name]["ranks"]
     shares = [rank["sharded"] / tp1["sharded"] for rank in ranks]
-    if name == "smollm2_shape":
-        assert all(0.4 <= share <= 0.6 for share in shares), shares
-    else:
-        assert all(abs(share - 0.5) <= 0.005 for share in shares), shares
+    tolerance = SHARE_TOLERANCE.get(name, 0.005)
+    assert all(abs(share - 0.5) <= tolerance for share in shares), shares
     assert 1.0 <= sum(shares) <= 1.01, shares
     assert all(rank["replicated"] <= tp1["replicated"] for rank in ranks)
+
+
+@pytest.mark.parametrize(("name", "rows"), [("mixtral", (24, 24)), ("qwen3_moe", (16, 17))])
+def test_each_rank_holds_its_rows_of_every_expert(
+    runs: dict[str, Any], name: str, rows: tuple[int, int]
+) -> None:
+    """Every expert's gate, up and down are split by inner rows, so a rank's expert bytes
+    are its rows' share of the whole: half, or 16 and 17 of Qwen3-MoE's 33."""
+    tp1, ranks = runs[name]["tp1"], runs[name]["ranks"]
+    assert tp1["experts"] > 0
+    inner = sum(rows)
+    for rank, own in zip(ranks, rows, strict=True):
+        assert rank["experts"] * inner == tp1["experts"] * own
 
 
 # "The quick brown fox jumps over the lazy dog. The quick brown" in SmolLM2's vocabulary.
@@ -180,6 +200,10 @@ class _CountingSlice:
         self.counts[self.name] = self.counts.get(self.name, 0) + part.numel()
         return part
 
+    def get_shape(self) -> list[int]:
+        shape: list[int] = self.source.get_shape()  # type: ignore[attr-defined]
+        return shape
+
 
 def test_a_rank_reads_only_its_slice_of_each_safetensors_tensor(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -210,11 +234,33 @@ def test_a_rank_reads_only_its_slice_of_each_safetensors_tensor(
     assert set(counts) == set(full) - dropped
 
 
-def test_mixture_of_experts_is_refused(tmp_path: Path) -> None:
-    model_dir, _ = save_tiny_model(tmp_path / "moe", "mixtral", tie_word_embeddings=False)
-    config = load_config(resolve_model(str(model_dir)))
-    with torch.device("meta"):
-        model = get_model_class(config.architecture)(config, TorchAttentionBackend())
-    group = TPGroup(rank=0, world_size=2, device=torch.device("cpu"), backend="gloo")
-    with pytest.raises(NotImplementedError, match="mixture-of-experts"):
-        parallelize(model, group)
+def test_a_rank_reads_only_its_rows_of_each_expert(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Expert tensors stack lazily: rank 1 of 2 reads 17 of the 33 inner rows of each
+    expert's gate and up and 17 of the 33 columns of its down, each once; the router is
+    read whole."""
+    spec = dict(MODELS["qwen3_moe"])
+    family = spec.pop("family")
+    model_dir, _ = save_tiny_model(tmp_path / "model", family, **spec)
+    full = {
+        name: tensor.numel() for name, tensor in load_file(model_dir / "model.safetensors").items()
+    }
+    counts: dict[str, int] = {}
+    slices = gpu_worker.loader.iter_hf_slices
+
+    def counting(model_dir: Path) -> Iterator[tuple[str, TensorSource]]:
+        for name, source in slices(model_dir):
+            yield name, _CountingSlice(source, counts, name)
+
+    monkeypatch.setattr(gpu_worker.loader, "iter_hf_slices", counting)
+    group = TPGroup(rank=1, world_size=2, device=torch.device("cpu"), backend="gloo")
+    model, _ = load_model(resolve_model(str(model_dir)), torch.device("cpu"), tp_group=group)
+    experts = [name for name in full if ".experts." in name]
+    assert len(experts) == 8 * 3
+    for name in experts:
+        assert 33 * counts[name] == 17 * full[name], (name, counts[name], full[name])
+    assert counts["model.layers.1.mlp.gate.weight"] == full["model.layers.1.mlp.gate.weight"]
+    block = model.model.layers[1].mlp
+    assert block.experts.gate_up_proj.shape == (8, 2 * 17, 64)
+    assert block.experts.down_proj.shape == (8, 64, 17)

@@ -5,6 +5,8 @@ tests/integration/test_tp_collectives.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +15,7 @@ from gpu_worker.distributed.comm import all_reduce_, broadcast_step, gather_to_r
 from gpu_worker.distributed.group import TPConfig, TPGroup
 from gpu_worker.distributed.layers import (
     ColumnParallelLinear,
+    ParallelExperts,
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -28,6 +31,8 @@ from gpu_worker.distributed.sharding import (
     vocab_rows,
     vocab_shard,
 )
+from gpu_worker.models.moe import Experts, route, stack_expert_weights
+from gpu_worker.ops.layer_ops import TorchLayerOps
 
 # (num_heads, num_kv_heads, world_size): even, uneven (the built-in SmolLM2's 9/3 over 2),
 # replicated (fewer KV heads than ranks, evenly and not), MHA.
@@ -150,6 +155,95 @@ def test_sharded_attention_and_mlp_sum_to_dense(heads: int, kv_heads: int, world
             shard.num_kv_heads * head_dim,
         )
     torch.testing.assert_close(total, dense, atol=1e-4, rtol=1e-4)
+
+
+def _experts_of(gate_up: torch.Tensor, down: torch.Tensor) -> Experts:
+    experts = Experts(down.shape[0], down.shape[1], down.shape[2])
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(gate_up)
+        experts.down_proj.copy_(down)
+    return experts
+
+
+@pytest.mark.parametrize(("inner", "world"), [(8, 2), (10, 3)])
+def test_sharded_experts_sum_to_dense(inner: int, world: int) -> None:
+    """Each rank's slice of every expert (its gate and up rows, its down columns), fed the
+    same routing, gives a partial output; summed as the all-reduce would, the dense
+    experts' output, also where the inner rows split unevenly (3, 3, 4)."""
+    torch.manual_seed(0)
+    num_experts, hidden, tokens = 4, 6, 7
+    gate_up = torch.randn(num_experts, 2 * inner, hidden)
+    down = torch.randn(num_experts, hidden, inner)
+    x = torch.randn(tokens, hidden)
+    weights, ids = route(torch.randn(tokens, num_experts), top_k=2, renormalize=True)
+    ops = TorchLayerOps()
+    dense = _experts_of(gate_up, down)(x, weights, ids, ops)
+    total = torch.zeros_like(dense)
+    for rank in range(world):
+        group = TPGroup(rank=rank, world_size=world, device=torch.device("cpu"), backend="gloo")
+        shard = ParallelExperts(num_experts, hidden, inner, group)
+        shard.load_shard(gate_up, down)
+        assert shard.down_proj.shape[-1] == len(range(inner)[shard.inner_rows])
+        # The rank's partial sum, before the all-reduce `ParallelExperts.forward` adds.
+        total += Experts.forward(shard, x, weights, ids, ops)
+    torch.testing.assert_close(total, dense, atol=1e-5, rtol=1e-5)
+
+
+class _LazySlice:
+    """A checkpoint tensor as safetensors' `get_slice` gives it (not a tensor: indexing
+    reads), counting the elements read."""
+
+    def __init__(self, tensor: torch.Tensor, reads: list[int]) -> None:
+        self.tensor, self.reads = tensor, reads
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        part = self.tensor[index]
+        self.reads.append(part.numel())
+        return part.clone()
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+
+@pytest.mark.parametrize("per_expert", [True, False], ids=["per-expert", "all-experts"])
+def test_lazy_expert_stacks_read_only_a_ranks_slice(per_expert: bool) -> None:
+    """Lazy expert tensors, per expert (HF) or one per projection (GGUF's 3-D layout),
+    stack unread; the rank's shard of the stacks equals the shard of the eager stacks, and
+    only its rows (gate, up) and columns (down) are read, once each."""
+    torch.manual_seed(0)
+    num_experts, hidden, inner = 3, 5, 7
+    parts = {
+        "gate_proj": torch.randn(num_experts, inner, hidden),
+        "up_proj": torch.randn(num_experts, inner, hidden),
+        "down_proj": torch.randn(num_experts, hidden, inner),
+    }
+    prefix = "model.layers.0.mlp.experts"
+    if per_expert:
+        checkpoint = [
+            (f"{prefix}.{e}.{part}.weight", w[e])
+            for e in range(num_experts)
+            for part, w in parts.items()
+        ]
+    else:
+        checkpoint = [(f"{prefix}.{part}.weight", w) for part, w in parts.items()]
+    eager = dict(stack_expert_weights(checkpoint, num_experts))
+    reads: list[int] = []
+    lazy_checkpoint: list[tuple[str, Any]] = [
+        (name, _LazySlice(tensor, reads)) for name, tensor in checkpoint
+    ]
+    lazy = dict(stack_expert_weights(lazy_checkpoint, num_experts))
+    assert reads == []
+    group = TPGroup(rank=1, world_size=2, device=torch.device("cpu"), backend="gloo")
+    shard = ParallelExperts(num_experts, hidden, inner, group)
+    shard.load_shard(eager[f"{prefix}.gate_up_proj"], eager[f"{prefix}.down_proj"])
+    gate_up = shard.shard_gate_up(lazy[f"{prefix}.gate_up_proj"])
+    down = shard.shard_down(lazy[f"{prefix}.down_proj"])
+    assert torch.equal(gate_up, shard.gate_up_proj)
+    assert torch.equal(down, shard.down_proj)
+    # Rank 1 of 2 holds 4 of the 7 inner rows.
+    assert sum(reads) == 3 * num_experts * 4 * hidden
+    with pytest.raises(TypeError, match="contiguous slices"):
+        lazy[f"{prefix}.down_proj"][:, ::2]
 
 
 def test_tp_config_from_torchrun_env() -> None:

@@ -30,8 +30,8 @@ from tests.integration.test_tp_model import MODELS as FAMILIES
 EOS, BOS, PAD = 256, 257, 258
 BYTE_VOCAB_SIZE = 259
 SPECIAL_TOKENS = {"<eos>": EOS, "<bos>": BOS, "<pad>": PAD}
-# test_tp_model's dense families by name (its mixture-of-experts ones are not sharded here).
-NAMES = ["llama", "qwen3", "phi3", "gemma2", "smollm2_shape"]
+# Every family of test_tp_model, the mixture-of-experts ones included.
+NAMES = list(FAMILIES)
 
 # A step of at most 32 tokens, and at most 16 of one prompt: LONG_PROMPT takes 8 steps.
 CHUNKING = dict(max_num_batched_tokens=32, long_prefill_token_threshold=16)

@@ -27,7 +27,7 @@ collective: the layers' all-reduces, the gather of the logits to rank 0 and the
 broadcast of each step's batch. On CPU these are gloo's "gloo:<op>" ranges, which last
 until every rank has joined, so they include waiting for the slower rank. The section
 goes to RESULTS.md as `engine-tp`. On a machine with N GPUs the same command with
-`--device cuda --kv-cache-memory-gb G` is the multi-GPU benchmark (one GPU per rank,
+`--device cuda` is the multi-GPU benchmark (one GPU per rank,
 NCCL); there the shares count NCCL's kernels, whose names have not yet been checked on
 such a machine (none was available).
 
@@ -570,7 +570,7 @@ def write_tp_section(
             "the other rank included; the single-stream run includes its prefill); the "
             "last column is how much slower the profiled run was than the median "
             "unprofiled one. On a machine with several GPUs, the same command with "
-            "`--device cuda --kv-cache-memory-gb G` is the multi-GPU benchmark (none "
+            "`--device cuda` is the multi-GPU benchmark (none "
             "available yet).",
             "",
             *table,
@@ -609,7 +609,10 @@ def main() -> None:
     )
     parser.add_argument("--dist-timeout-s", type=float, default=120.0, help="at TP > 1")
     parser.add_argument(
-        "--kv-cache-memory-gb", type=float, default=None, help="needed at TP > 1 on CUDA"
+        "--kv-cache-memory-gb",
+        type=float,
+        default=None,
+        help="the KV cache size (default: profiled on CUDA, 1 GiB on CPU)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

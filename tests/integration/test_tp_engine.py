@@ -198,11 +198,14 @@ def test_prompt_logprobs_at_tp2_equal_tp1(tiny_qwen3: Path) -> None:
             runs.append(engine.generate(prompts, params))
     for tp1, tp2 in zip(*runs, strict=True):
         assert tp2.token_ids == tp1.token_ids
-        assert tp1.prompt_logprobs is not None and tp2.prompt_logprobs is not None
+        assert tp1.prompt_logprobs is not None
+        assert tp2.prompt_logprobs is not None
         assert len(tp2.prompt_logprobs) == len(tp1.prompt_logprobs)
         for a, b in zip(tp1.prompt_logprobs[1:], tp2.prompt_logprobs[1:], strict=True):
-            assert a is not None and b is not None
-            assert b.rank == a.rank and b.top_token_ids == a.top_token_ids
+            assert a is not None
+            assert b is not None
+            assert b.rank == a.rank
+            assert b.top_token_ids == a.top_token_ids
             assert b.logprob == pytest.approx(a.logprob, abs=1e-4)
             assert b.top_logprobs == pytest.approx(a.top_logprobs, abs=1e-4)
 
@@ -223,3 +226,20 @@ def test_a_follower_failing_at_start_up_is_reported_by_rank_0(
         Engine(model=str(tiny_qwen3), device="cpu", tensor_parallel_size=2, dist_timeout_s=60.0)
     assert LOAD_ERROR in str(failure.value)
     assert time.monotonic() - started < 30, "reported within seconds, not at the timeout"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL, one per rank)")
+@pytest.mark.timeout(600)
+def test_cuda_tp2_profiles_each_rank_and_replays_graphs_with_the_all_reduce(
+    tiny_qwen3: Path,
+) -> None:
+    """On NCCL: each rank sizes its cache from its own profiling run, captures its decode
+    graphs (the all-reduces inside them), and greedy tokens equal TP=1's, the decode steps
+    replayed from graphs on rank 0 (and, through the same batch, on rank 1)."""
+    args: dict[str, Any] = dict(model=str(tiny_qwen3), attention_backend="triton")
+    with Engine(device="cuda", **args) as engine:
+        tp1 = [c.token_ids for c in engine.generate(PROMPTS, GREEDY)]
+    with Engine(device="cuda", tensor_parallel_size=2, **args) as engine:
+        tp2 = [c.token_ids for c in engine.generate(PROMPTS, GREEDY)]
+        assert engine.runner.num_graph_steps > 0
+    assert tp2 == tp1

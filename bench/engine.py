@@ -308,6 +308,14 @@ def single_stream(
     return result
 
 
+def _case_label(dtype: str, concurrency: int, case: Workload) -> str:
+    """A throughput row's label: the dtype, the concurrency and the work it ran."""
+    return (
+        f"{dtype}, {concurrency} concurrent: {len(case.prompts)} prompts, "
+        f"{case.useful_tokens} tokens"
+    )
+
+
 def run_dtype(
     args: argparse.Namespace, dtype: str, work: Workload, source: ModelSource
 ) -> list[str]:
@@ -333,10 +341,7 @@ def run_dtype(
                     f"({outside:.1%} outside the forward)",
                     flush=True,
                 )
-            label = (
-                f"{dtype}, {concurrency} concurrent: {len(case.prompts)} prompts, "
-                f"{case.useful_tokens} tokens"
-            )
+            label = _case_label(dtype, concurrency, case)
             rows.append(result.row(label))
         if concurrency <= 1:
             n = args.single_stream_tokens
@@ -489,10 +494,7 @@ def run_tp_dtype(args: argparse.Namespace, dtype: str, work: Workload) -> list[s
             if concurrency > 0:
                 case = work.head(args.serial_prompts if concurrency == 1 else None)
                 result = tp_throughput(single, tp, case, args.repeats)
-                label = (
-                    f"{dtype}, {concurrency} concurrent: {len(case.prompts)} prompts, "
-                    f"{case.useful_tokens} tokens"
-                )
+                label = _case_label(dtype, concurrency, case)
                 rows.append(result.row(label))
             if concurrency <= 1:
                 n = args.single_stream_tokens

@@ -26,6 +26,7 @@ from shared.byte_level import unicode_to_bytes
 from shared.protocol import Constraint, Generate, TokenLogprobs
 from shared.sampling import SamplingParams
 from tests.integration.test_tp_model import MODELS as FAMILIES
+from tests.unit.test_structured import CHOICES, PHONE, SHORT
 
 EOS, BOS, PAD = 256, 257, 258
 BYTE_VOCAB_SIZE = 259
@@ -39,19 +40,8 @@ LONG_PROMPT = [(37 * i + 11) % 256 for i in range(120)]
 SHORT_PROMPTS = [list(b"Once upon a time"), list(b"{}[]()"), [5, 200, 17, 99]]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=20)
 
-SHORT_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 8},
-        "age": {"type": "integer", "minimum": 0, "maximum": 99},
-    },
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
-PHONE = r"[0-9]{3}-[0-9]{4}"
-CHOICES = ["yes", "no", "maybe later"]
 CONSTRAINTS = [
-    Constraint(kind="json_schema", spec=json.dumps(SHORT_SCHEMA)),
+    Constraint(kind="json_schema", spec=json.dumps(SHORT)),
     Constraint(kind="regex", spec=PHONE),
     Constraint(kind="choice", spec=json.dumps(CHOICES)),
 ]
@@ -246,6 +236,6 @@ def test_structured_outputs_equal_tp1_and_hold(
     texts = [bytes(ids).decode() for ids, _ in tp2.structured]
     assert [finish for _, finish in tp2.structured] == ["stop"] * 3, texts
     as_json, phone, choice = texts
-    jsonschema.validate(json.loads(as_json), SHORT_SCHEMA)
+    jsonschema.validate(json.loads(as_json), SHORT)
     assert re.fullmatch(PHONE, phone), phone
     assert choice in CHOICES

@@ -205,13 +205,13 @@ class _CountingSlice:
         return shape
 
 
-def test_a_rank_reads_only_its_slice_of_each_safetensors_tensor(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Loading needs no collective, so one process plays rank 1 of 2: every tensor but the
-    replicated norms (and the o_proj bias rank 1 drops) is read at most 2/3 (SmolLM2's
-    shape gives rank 1 two of its 3 KV groups: 6 of 9 query heads), never whole."""
-    spec = dict(MODELS["smollm2_shape"], attention_bias=True)
+def _load_as_rank_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spec: dict[str, Any]
+) -> tuple[dict[str, int], dict[str, int], torch.nn.Module]:
+    """Save the tiny model `spec` describes and load it as rank 1 of 2 (loading needs no
+    collective, so one process plays that rank): each checkpoint tensor's elements, the
+    elements the rank read of each, and the rank's model."""
+    spec = dict(spec)
     family = spec.pop("family")
     model_dir, _ = save_tiny_model(tmp_path / "model", family, **spec)
     stored = load_file(model_dir / "model.safetensors")
@@ -225,7 +225,18 @@ def test_a_rank_reads_only_its_slice_of_each_safetensors_tensor(
 
     monkeypatch.setattr(gpu_worker.loader, "iter_hf_slices", counting)
     group = TPGroup(rank=1, world_size=2, device=torch.device("cpu"), backend="gloo")
-    load_model(resolve_model(str(model_dir)), torch.device("cpu"), tp_group=group)
+    model, _ = load_model(resolve_model(str(model_dir)), torch.device("cpu"), tp_group=group)
+    return full, counts, model
+
+
+def test_a_rank_reads_only_its_slice_of_each_safetensors_tensor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loading needs no collective, so one process plays rank 1 of 2: every tensor but the
+    replicated norms (and the o_proj bias rank 1 drops) is read at most 2/3 (SmolLM2's
+    shape gives rank 1 two of its 3 KV groups: 6 of 9 query heads), never whole."""
+    spec = dict(MODELS["smollm2_shape"], attention_bias=True)
+    full, counts, _ = _load_as_rank_1(tmp_path, monkeypatch, spec)
     for name, read in counts.items():
         if not name.endswith("norm.weight"):
             assert 3 * read <= 2 * full[name], (name, read, full[name])
@@ -240,22 +251,7 @@ def test_a_rank_reads_only_its_rows_of_each_expert(
     """Expert tensors stack lazily: rank 1 of 2 reads 17 of the 33 inner rows of each
     expert's gate and up and 17 of the 33 columns of its down, each once; the router is
     read whole."""
-    spec = dict(MODELS["qwen3_moe"])
-    family = spec.pop("family")
-    model_dir, _ = save_tiny_model(tmp_path / "model", family, **spec)
-    full = {
-        name: tensor.numel() for name, tensor in load_file(model_dir / "model.safetensors").items()
-    }
-    counts: dict[str, int] = {}
-    slices = gpu_worker.loader.iter_hf_slices
-
-    def counting(model_dir: Path) -> Iterator[tuple[str, TensorSource]]:
-        for name, source in slices(model_dir):
-            yield name, _CountingSlice(source, counts, name)
-
-    monkeypatch.setattr(gpu_worker.loader, "iter_hf_slices", counting)
-    group = TPGroup(rank=1, world_size=2, device=torch.device("cpu"), backend="gloo")
-    model, _ = load_model(resolve_model(str(model_dir)), torch.device("cpu"), tp_group=group)
+    full, counts, model = _load_as_rank_1(tmp_path, monkeypatch, dict(MODELS["qwen3_moe"]))
     experts = [name for name in full if ".experts." in name]
     assert len(experts) == 8 * 3
     for name in experts:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gpu_worker import Engine
-from gpu_worker.engine import engine as engine_module
+from gpu_worker.engine import rank as rank_module
 from gpu_worker.engine.profile_sampling import costliest_params, profile_sampling
 from gpu_worker.runner.kv_budget import GIB, KVCacheBudgetError, MemoryUse, plan_kv_cache
 from gpu_worker.runner.kv_caches import CPU_DEFAULT_KV_CACHE_GB, model_kv_bytes_per_block
@@ -313,7 +313,7 @@ def test_cpu_engine_keeps_its_default_and_does_not_profile(
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("the CPU engine must not run a profiling forward")
 
-    monkeypatch.setattr(engine_module, "profile_memory", refuse)
+    monkeypatch.setattr(rank_module, "profile_memory", refuse)
     caplog.set_level(logging.INFO, logger="gpu_worker.runner.kv_caches")
     engine = Engine(model=str(tiny_dir), device="cpu")
     per_block = model_kv_bytes_per_block(engine.model_config, 16, torch.float32)

@@ -123,6 +123,9 @@ class EngineConfig:
     """Nodes the tensor-parallel ranks span, each starting tensor-parallel-size / nnodes."""
     node_rank: int = 0
     """This node's index; node 0 holds rank 0 and the socket, the others only follow."""
+    tp_rank_offset: int | None = None
+    """Global rank of this node's first rank (default: node_rank x ranks per node); set it
+    to place ranks otherwise. Node 0's must be 0."""
     dist_timeout_s: float = 60.0
     """Seconds a collective or the rendezvous waits for a peer: a dead rank fails the
     others' next step within it."""
@@ -135,6 +138,13 @@ class EngineConfig:
             raise ValueError(f"{size} tensor-parallel ranks do not divide over {nnodes} nodes")
         if not 0 <= self.node_rank < nnodes:
             raise ValueError(f"node_rank {self.node_rank} is outside {nnodes} nodes")
+        offset, per_node = self.tp_rank_offset, size // nnodes
+        if offset is not None and not (0 <= offset <= size - per_node):
+            raise ValueError(f"tp_rank_offset {offset} leaves this node's ranks outside {size}")
+        if offset is not None and (offset == 0) != (self.node_rank == 0):
+            raise ValueError(
+                "rank 0 is node 0's first rank: tp_rank_offset 0 goes with node_rank 0"
+            )
         if nnodes > 1 and self.dist_init_addr is None:
             raise ValueError("several nodes need dist_init_addr, the HOST:PORT of rank 0")
         if self.dist_timeout_s <= 0:

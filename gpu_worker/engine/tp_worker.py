@@ -57,7 +57,7 @@ def resolve_tp_config(config: EngineConfig, environ: Mapping[str, str]) -> TPCon
     if from_env is not None:
         return from_env
     per_node = config.tensor_parallel_size // config.nnodes
-    offset = config.node_rank * per_node
+    offset = config.node_rank * per_node if config.tp_rank_offset is None else config.tp_rank_offset
     return TPConfig(
         tensor_parallel_size=config.tensor_parallel_size,
         rank=offset,

@@ -155,6 +155,26 @@ def test_two_nodes_on_one_host(tiny_qwen3: Path) -> None:
         (dict(tensor_parallel_size=4, nnodes=2, node_rank=2, dist_init_addr="h:1"), "outside"),
         (dict(tensor_parallel_size=4, nnodes=2), "need dist_init_addr"),
         (dict(tensor_parallel_size=2, dist_timeout_s=0.0), "dist_timeout_s"),
+        (
+            dict(
+                tensor_parallel_size=4,
+                nnodes=2,
+                node_rank=1,
+                tp_rank_offset=3,
+                dist_init_addr="h:1",
+            ),
+            "outside",
+        ),
+        (
+            dict(
+                tensor_parallel_size=4,
+                nnodes=2,
+                node_rank=1,
+                tp_rank_offset=0,
+                dist_init_addr="h:1",
+            ),
+            "node_rank 0",
+        ),
     ],
 )
 def test_bad_parallel_configs_are_refused(args: dict[str, Any], match: str) -> None:
@@ -174,6 +194,10 @@ def test_tp_config_from_flags_and_from_torchrun() -> None:
         "10.0.0.1:29500",
     )
     assert resolve_tp_config(EngineConfig(tensor_parallel_size=2), {}).address()[0] == "127.0.0.1"
+    placed = EngineConfig(
+        tensor_parallel_size=8, nnodes=4, node_rank=1, tp_rank_offset=6, dist_init_addr="h:1"
+    )
+    assert (resolve_tp_config(placed, {}).rank, resolve_tp_config(placed, {}).local_rank) == (6, 0)
     env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1234"}
     from_env = resolve_tp_config(config, env)
     assert (from_env.tensor_parallel_size, from_env.dist_init_addr) == (2, "h:1234")

@@ -26,6 +26,7 @@ from gpu_worker.distributed.group import TPGroup
 from gpu_worker.loader import gguf_to_hf_name, load_model
 from gpu_worker.models.weights import TensorSource
 from shared.model_source import resolve_model
+from tests.helpers.gguf_files import gguf_file
 from tests.helpers.tiny_models import tiny_hf_model
 from tests.integration.test_tp_collectives import WORLD, run_ranks
 from tests.integration.test_tp_model import _prefill_and_decode
@@ -60,35 +61,21 @@ def _qtype(name: str) -> Q:
 
 def _write_gguf(hf: transformers.PreTrainedModel, path: Path) -> None:
     cfg = hf.config
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
-    for name, tensor in hf.state_dict().items():
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        assert gguf_name is not None, name
-        assert gguf_to_hf_name(gguf_name) == name
-        values = tensor.numpy()
-        if "q_proj" in name:
-            values = _llama_cpp_permute(values, cfg.num_attention_heads)
-        elif "k_proj" in name:
-            values = _llama_cpp_permute(values, cfg.num_key_value_heads)
-        qtype = _qtype(name)
-        stored = gguf.quants.quantize(np.ascontiguousarray(values, dtype=np.float32), qtype)
-        writer.add_tensor(gguf_name, stored, raw_dtype=None if qtype == Q.F32 else qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    with gguf_file(cfg, path, "llama") as writer:
+        writer.add_vocab_size(cfg.vocab_size)
+        names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
+        for name, tensor in hf.state_dict().items():
+            gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+            assert gguf_name is not None, name
+            assert gguf_to_hf_name(gguf_name) == name
+            values = tensor.numpy()
+            if "q_proj" in name:
+                values = _llama_cpp_permute(values, cfg.num_attention_heads)
+            elif "k_proj" in name:
+                values = _llama_cpp_permute(values, cfg.num_key_value_heads)
+            qtype = _qtype(name)
+            stored = gguf.quants.quantize(np.ascontiguousarray(values, dtype=np.float32), qtype)
+            writer.add_tensor(gguf_name, stored, raw_dtype=None if qtype == Q.F32 else qtype)
 
 
 @pytest.fixture(scope="module")

@@ -16,17 +16,17 @@ from pathlib import Path
 from typing import Any, cast
 
 import gguf
-import numpy as np
 import pytest
 import torch
 import transformers
 
 from gpu_worker.attention.backend import get_attention_backend
-from gpu_worker.loader import config_from_hf, gguf_to_hf_name, load_model
+from gpu_worker.loader import config_from_hf, load_model
 from gpu_worker.models import Gemma2ForCausalLM, Gemma3ForCausalLM
 from gpu_worker.models.gemma import GemmaForCausalLM
 from gpu_worker.ops.layer_ops import TritonLayerOps
 from shared.model_source import resolve_model
+from tests.helpers.gguf_files import add_f32_tensors, gguf_file
 from tests.helpers.tiny_models import (
     Family,
     PagedRunner,
@@ -280,41 +280,17 @@ def _write_gguf(hf: transformers.PreTrainedModel, path: Path, arch: str) -> None
     added, no q/k row permutation, no output matrix (tied), and the per-layer sliding flags
     (Gemma 3's fixed period of 6 would make all four layers local)."""
     cfg = hf.config
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_sliding_window(cfg.sliding_window)
-    writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
-    if arch == "gemma2":
-        writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
-        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    else:
-        rope = cfg.rope_parameters["full_attention"]
-        writer.add_rope_freq_base(rope["rope_theta"])
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(rope["factor"])
-    model_arch = gguf.MODEL_ARCH.GEMMA2 if arch == "gemma2" else gguf.MODEL_ARCH.GEMMA3
-    names = gguf.get_tensor_name_map(model_arch, cfg.num_hidden_layers)
-    for name, tensor in hf.state_dict().items():
-        if name == "lm_head.weight":
-            continue
-        gguf_name = names.get_name(name, try_suffixes=(".weight",))
-        assert gguf_name is not None, name
-        assert gguf_to_hf_name(gguf_name, arch) == name
-        data = tensor + 1 if name.endswith("norm.weight") else tensor
-        writer.add_tensor(gguf_name, np.ascontiguousarray(data.numpy(), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    rope = cfg.rope_parameters if arch == "gemma2" else cfg.rope_parameters["full_attention"]
+    with gguf_file(cfg, path, arch, rope_theta=rope["rope_theta"]) as writer:
+        writer.add_sliding_window(cfg.sliding_window)
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+        if arch == "gemma2":
+            writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+            writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        else:
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["factor"])
+        add_f32_tensors(writer, hf, arch, norm_offset=1.0)
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])

@@ -23,6 +23,7 @@ from gpu_worker.models.llama import MLP
 from gpu_worker.models.moe import SparseMoeBlock, stack_expert_weights
 from gpu_worker.ops.layer_ops import TritonLayerOps
 from shared.model_source import resolve_model
+from tests.helpers.gguf_files import gguf_file
 from tests.helpers.tiny_models import Family, PagedRunner, save_tiny_model, save_tiny_tokenizer
 from tests.unit.test_llama_model import (
     Pair,
@@ -236,50 +237,36 @@ def _write_gguf(hf: transformers.PreTrainedModel, path: Path, arch: str) -> None
     """What llama.cpp's converter writes, in F32: Mixtral as `llama` with experts (q/k rows
     permuted), Qwen3-MoE as `qwen3moe`; each expert projection as one [experts, ...] tensor."""
     cfg = hf.config
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_expert_count(cfg.num_local_experts)
-    writer.add_expert_used_count(cfg.num_experts_per_tok)
-    if arch == "qwen3moe":
-        writer.add_key_length(cfg.head_dim)
-        writer.add_value_length(cfg.head_dim)
-        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    model_arch = gguf.MODEL_ARCH.LLAMA if arch == "llama" else gguf.MODEL_ARCH.QWEN3MOE
-    names = gguf.get_tensor_name_map(model_arch, cfg.num_hidden_layers)
-    for name, tensor in hf.state_dict().items():
-        array = tensor.numpy()
-        layer = name.split(".")[2] if name.startswith("model.layers.") else ""
-        if name.endswith("experts.gate_up_proj"):  # transformers 5 keeps gate/up fused
-            gate, up = np.split(array, 2, axis=1)
-            tensors = {
-                f"blk.{layer}.ffn_gate_exps.weight": gate,
-                f"blk.{layer}.ffn_up_exps.weight": up,
-            }
-        elif name.endswith("experts.down_proj"):
-            tensors = {f"blk.{layer}.ffn_down_exps.weight": array}
-        elif name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        else:
-            gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-            assert gguf_name is not None, name
-            if arch == "llama" and ".q_proj." in name:
-                array = _llama_cpp_permute(array, cfg.num_attention_heads)
-            elif arch == "llama" and ".k_proj." in name:
-                array = _llama_cpp_permute(array, cfg.num_key_value_heads)
-            tensors = {gguf_name: array}
-        for gguf_name, value in tensors.items():
-            writer.add_tensor(gguf_name, np.ascontiguousarray(value, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    with gguf_file(cfg, path, arch, head_dims=arch == "qwen3moe") as writer:
+        writer.add_expert_count(cfg.num_local_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch == "qwen3moe":
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        model_arch = gguf.MODEL_ARCH.LLAMA if arch == "llama" else gguf.MODEL_ARCH.QWEN3MOE
+        names = gguf.get_tensor_name_map(model_arch, cfg.num_hidden_layers)
+        for name, tensor in hf.state_dict().items():
+            array = tensor.numpy()
+            layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+            if name.endswith("experts.gate_up_proj"):  # transformers 5 keeps gate/up fused
+                gate, up = np.split(array, 2, axis=1)
+                tensors = {
+                    f"blk.{layer}.ffn_gate_exps.weight": gate,
+                    f"blk.{layer}.ffn_up_exps.weight": up,
+                }
+            elif name.endswith("experts.down_proj"):
+                tensors = {f"blk.{layer}.ffn_down_exps.weight": array}
+            elif name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            else:
+                gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+                assert gguf_name is not None, name
+                if arch == "llama" and ".q_proj." in name:
+                    array = _llama_cpp_permute(array, cfg.num_attention_heads)
+                elif arch == "llama" and ".k_proj." in name:
+                    array = _llama_cpp_permute(array, cfg.num_key_value_heads)
+                tensors = {gguf_name: array}
+            for gguf_name, value in tensors.items():
+                writer.add_tensor(gguf_name, np.ascontiguousarray(value, dtype=np.float32))
 
 
 @pytest.mark.parametrize(

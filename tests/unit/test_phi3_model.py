@@ -17,16 +17,16 @@ import math
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 import pytest
 import torch
 import transformers
 
-from gpu_worker.loader import config_from_hf, gguf_to_hf_name, load_model
+from gpu_worker.loader import config_from_hf, load_model
 from gpu_worker.models import MODEL_REGISTRY, Phi3ForCausalLM
 from gpu_worker.models.llama import rope_inv_freq
 from shared.model_source import resolve_model
+from tests.helpers.gguf_files import add_f32_tensors, gguf_file
 from tests.helpers.tiny_models import PagedRunner, save_tiny_model
 from tests.unit.test_llama_model import (
     Pair,
@@ -136,33 +136,14 @@ def _write_gguf(hf: transformers.PreTrainedModel, path: Path) -> None:
     (gate then up) as in the HF checkpoint, no q/k row permutation, the rotary dims, and
     LongRoPE as two factor tensors, the original context and the attention factor."""
     cfg = hf.config
-    writer = gguf.GGUFWriter(str(path), "phi3")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_dimension_count(8)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_sliding_window(0)  # the converter's "no window" (Phi-4)
-    writer.add_rope_scaling_orig_ctx_len(ORIGINAL)
-    writer.add_rope_scaling_attn_factors(hf.model.rotary_emb.attention_scaling)
-    writer.add_tensor("rope_factors_long.weight", np.array(LONG, dtype=np.float32))
-    writer.add_tensor("rope_factors_short.weight", np.array(SHORT, dtype=np.float32))
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.PHI3, cfg.num_hidden_layers)
-    for name, tensor in hf.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        assert gguf_name is not None, name
-        assert gguf_to_hf_name(gguf_name, "phi3") == name
-        writer.add_tensor(gguf_name, np.ascontiguousarray(tensor.numpy(), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    with gguf_file(cfg, path, "phi3", head_dims=False) as writer:
+        writer.add_rope_dimension_count(8)
+        writer.add_sliding_window(0)  # the converter's "no window" (Phi-4)
+        writer.add_rope_scaling_orig_ctx_len(ORIGINAL)
+        writer.add_rope_scaling_attn_factors(hf.model.rotary_emb.attention_scaling)
+        writer.add_tensor("rope_factors_long.weight", np.array(LONG, dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(SHORT, dtype=np.float32))
+        add_f32_tensors(writer, hf, "phi3")
 
 
 def test_gguf_file_matches_transformers(tmp_path: Path) -> None:

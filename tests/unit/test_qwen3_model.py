@@ -8,17 +8,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import gguf
-import numpy as np
 import pytest
 import torch
 import transformers
 
 from gpu_worker.attention.backend import get_attention_backend
-from gpu_worker.loader import config_from_hf, gguf_to_hf_name, load_model
+from gpu_worker.loader import config_from_hf, load_model
 from gpu_worker.models import MODEL_REGISTRY, Qwen3ForCausalLM
 from gpu_worker.ops.layer_ops import TritonLayerOps
 from shared.model_source import resolve_model
+from tests.helpers.gguf_files import add_f32_tensors, gguf_file
 from tests.helpers.tiny_models import (
     Family,
     PagedRunner,
@@ -134,29 +133,8 @@ def _write_gguf(hf: transformers.PreTrainedModel, path: Path) -> None:
     """What llama.cpp's converter writes for Qwen3, in F32: no q/k row permutation (that
     is its llama arch only), q/k norms as `blk.N.attn_{q,k}_norm`."""
     cfg = hf.config
-    writer = gguf.GGUFWriter(str(path), "qwen3")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, cfg.num_hidden_layers)
-    for name, tensor in hf.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        assert gguf_name is not None, name
-        assert gguf_to_hf_name(gguf_name) == name
-        writer.add_tensor(gguf_name, np.ascontiguousarray(tensor.numpy(), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    with gguf_file(cfg, path, "qwen3") as writer:
+        add_f32_tensors(writer, hf, "qwen3")
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])

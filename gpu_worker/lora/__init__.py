@@ -1,0 +1,1 @@
+"""Multi-LoRA on the worker: adapters loaded into per-slot stacks and applied per token row."""

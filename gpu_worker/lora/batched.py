@@ -8,9 +8,9 @@ On CUDA with Triton installed, `add_lora` runs the punica-style kernels; elsewhe
 rows gathered and sorted once by slot, then one matmul pair per slot present, rounding as
 PEFT does (`lora_A(x)` and `lora_B(...)` in the model dtype, then scaled and added).
 bench/lora.py chose grouping over gathering each row's A and B for two batched matmuls: the
-gather copies `rows * r_max * (in + out)` weights per call, 2-12x slower than grouping from
-16 rows up, and at 1-8 rows at best 0.8x of it (8 adapters), not worth a second path
-(RESULTS.md, section lora). A batch on one adapter skips the gather and scatter.
+gather copies `rows * r_max * (in + out)` weights per call: 2.6-12x slower than grouping
+from 32 rows up, and at 1-8 rows at best 0.84x of it (8 adapters, 8 rows), not worth a
+second path (bench/RESULTS.md, section lora). A batch on one adapter skips the gather and scatter.
 """
 
 from __future__ import annotations

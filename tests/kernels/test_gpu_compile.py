@@ -25,7 +25,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kernels import (
-    activation, cache_ops, fused_moe, paged_attention, prefill_attention, rms_norm, rotary,
+    activation, cache_ops, fused_moe, lora, paged_attention, prefill_attention, rms_norm, rotary,
 )
 
 POINTER_TYPES = {
@@ -114,6 +114,13 @@ for dtype, precision in (("bf16", None), ("fp32", "ieee")):
     build(fused_moe._down_kernel, dtype,
           pointers={**moe_ids, "out_ptr": "*fp32", "weights_ptr": "*fp32"},
           BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, PRECISION=precision)
+lora_ids = {"row_ids_ptr": "*i64", "block_slot_ptr": "*i64", "scales_ptr": "*fp32"}
+for dtype, precision in (("bf16", None), ("fp32", "ieee")):
+    for block_m, block_k in ((1, 128), (16, 64)):  # BGMV (decode rows), SGMV (sorted blocks)
+        build(lora._shrink_kernel, dtype, pointers=lora_ids, BLOCK_M=block_m, BLOCK_R=16,
+              BLOCK_K=block_k, PRECISION=precision)
+        build(lora._expand_kernel, dtype, pointers=lora_ids, BLOCK_M=block_m, BLOCK_N=64,
+              BLOCK_R=16, PRECISION=precision)
 """
 
 
@@ -131,7 +138,7 @@ def test_kernels_compile_for_sm90():
         timeout=240,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    assert result.stdout.count("compiled") == 23 + 6 + 12, result.stdout
+    assert result.stdout.count("compiled") == 23 + 6 + 12 + 8, result.stdout
     pipelines = [line.split() for line in result.stdout.splitlines() if "pipeline" in line]
     assert len(pipelines) == 6 + 12 + 6  # decode and prefill configs, decode variants
     for kernel, _, stages, buffers, in_flight in pipelines:

@@ -90,6 +90,14 @@ ALLOWED: dict[str, set[str]] = {
         "gpu_worker.distributed",
         "shared",
     },
+    # Multi-LoRA: adapters, their slots and the batched add, hooked into a built model.
+    "gpu_worker.lora": {
+        "gpu_worker.models",
+        "gpu_worker.ops",
+        "gpu_worker.distributed",
+        "kernels",
+        "shared",
+    },
     # A GGUF tensor read lazily, for a TP rank's slices: gguf, numpy and torch alone.
     "gpu_worker.gguf_tensors": set(),
     "gpu_worker.models": {"gpu_worker.attention", "gpu_worker.ops", "shared"},

@@ -42,7 +42,7 @@ def smollm2_tokenizer(smollm2_source: ModelSource) -> Any:
 
 # Fixtures too slow to build in the inner loop (`make test-fast`): a test that uses one is
 # marked slow here, once, rather than by hand on each test.
-SLOW_FIXTURES = {"hf_reference_tokenizer"}
+SLOW_FIXTURES = {"hf_reference_tokenizer", "hf_reference_model"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -60,3 +60,19 @@ def hf_reference_tokenizer(smollm2_source: ModelSource) -> Any:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     path = smollm2_source.path
     return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="session")
+def hf_reference_model(smollm2_source: ModelSource) -> Any:
+    """transformers' fp32 model from the same GGUF, read once per session (the read
+    dequantizes every tensor: seconds). Shared: a test that changes it (PEFT injects its
+    layers in place) works on a `copy.deepcopy`."""
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    path = smollm2_source.path
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval()

@@ -3,14 +3,12 @@ preemption, and every KV block coming back."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import pytest
 import torch
 
 from gpu_worker import Engine
-from shared.model_source import ModelSource
 from shared.sampling import SamplingParams
 
 QUESTIONS = [
@@ -48,14 +46,8 @@ def chat_prompts(hf_reference_tokenizer: Any) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_source: ModelSource) -> Any:
-    transformers = pytest.importorskip("transformers")
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    path = smollm2_source.path
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    return model.eval()
+def hf_model(hf_reference_model: Any) -> Any:
+    return hf_reference_model
 
 
 def _hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> tuple[list[int], float]:

@@ -4,10 +4,11 @@ rows of two adapters gives each row its own model's logits and greedy tokens (CP
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
-import logging
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -69,7 +70,7 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Served:
+def smollm2(tmp_path_factory: pytest.TempPathFactory, hf_reference_model: Any) -> Served:
     source = resolve_model("SmolLM2-135M-Instruct")
     ours, config = load_model(source, torch.device("cpu"))
     assert isinstance(ours, LlamaForCausalLM)
@@ -77,10 +78,8 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Served:
     # fp32 by ~1e-4 on its own (test_loader holds the base model to 1e-3), which would hide
     # the adapters' 1e-4 here. Both sides then multiply the same dequantized weights.
     ours.build_caches(torch.device("cpu"))
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(source.path.parent), gguf_file=source.path.name, dtype=torch.float32
-    ).eval()
+    # PEFT injects its layers into the model it wraps: a copy, not the shared reference.
+    hf = copy.deepcopy(hf_reference_model)
     return _serve(ours, config, hf, tmp_path_factory.mktemp("smollm2-adapters"))
 
 

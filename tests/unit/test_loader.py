@@ -49,10 +49,8 @@ def ours(smollm2: ModelSource) -> tuple[LlamaForCausalLM, ModelConfig, float]:
 
 
 @pytest.fixture(scope="module")
-def hf(smollm2: ModelSource) -> transformers.PreTrainedModel:
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm2.path.parent), gguf_file=smollm2.path.name, dtype=torch.float32
-    ).eval()
+def hf(hf_reference_model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    return hf_reference_model  # the session's one read of the GGUF into transformers
 
 
 @pytest.mark.slow  # SmolLM2 in our loader and in transformers

@@ -105,9 +105,9 @@ def build_runner(
     max_model_len = config.context_limit(rank.model_config.max_position_embeddings)
     graph_batch_size = decode_graph_batch_size(config, rank.device, rank.backend_name)
     memory = _profile_memory(config, rank, max_model_len, graph_batch_size, post_forward)
-    budget = size_kv_cache(rank.local_config, config, rank.device, rank.dtype, memory)
-    num_blocks = _smallest_over_group(budget.num_blocks, group)
     local = rank.local_config
+    budget = size_kv_cache(local, config, rank.device, rank.dtype, memory)
+    num_blocks = _smallest_over_group(budget.num_blocks, group)
     kv_caches = allocate_kv_caches(
         local.num_layers,
         num_blocks,

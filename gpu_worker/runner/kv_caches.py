@@ -72,25 +72,3 @@ def size_kv_cache(
     for line in budget.lines():
         logger.info("%s", line)
     return budget
-
-
-def create_kv_caches(
-    model_config: ModelConfig,
-    config: EngineConfig,
-    device: torch.device,
-    dtype: torch.dtype,
-    memory: MemoryUse | None = None,
-) -> list[torch.Tensor]:
-    """Size the cache for this model on this device (`size_kv_cache`; on CUDA without an
-    explicit size, `memory` is the profile's readings) and allocate it."""
-    mc = model_config
-    budget = size_kv_cache(mc, config, device, dtype, memory)
-    return allocate_kv_caches(
-        mc.num_layers,
-        budget.num_blocks,
-        config.block_size,
-        mc.num_kv_heads,
-        mc.head_dim,
-        dtype,
-        device,
-    )

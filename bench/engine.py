@@ -279,6 +279,12 @@ def load_hf(source: ModelSource, dtype: torch.dtype) -> Any:
     return model
 
 
+def decode_one(engine: Engine, prompt: list[int], new_tokens: int) -> None:
+    """One greedy request of exactly `new_tokens` tokens (the single-stream case)."""
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    engine.generate([prompt], params)
+
+
 def single_stream(
     args: argparse.Namespace, engine: Engine, timer: ForwardTimer, hf: Any, prompt: list[int]
 ) -> Comparison:
@@ -287,16 +293,12 @@ def single_stream(
     n = args.single_stream_tokens
     result = Comparison(tokens=n)
 
-    def ours(new_tokens: int) -> None:
-        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-        engine.generate([prompt], params)
-
     for _ in range(args.single_stream_repeats):
         first = Clock.measure(lambda: hf_generate(hf, [prompt], 1))
         result.theirs.append(Clock.measure(lambda: hf_generate(hf, [prompt], 1 + n)) - first)
-        first = Clock.measure(lambda: ours(1))
+        first = Clock.measure(lambda: decode_one(engine, prompt, 1))
         timer.seconds = 0.0
-        full = Clock.measure(lambda: ours(1 + n))
+        full = Clock.measure(lambda: decode_one(engine, prompt, 1 + n))
         result.ours.append(full - first)
         result.outside_share.append(1.0 - timer.seconds / full.wall)
         print(
@@ -397,8 +399,7 @@ class Side:
 
     def decode(self, prompt: list[int], new_tokens: int) -> Clock:
         torch.set_num_threads(self.threads)
-        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-        return Clock.measure(lambda: self.engine.generate([prompt], params))
+        return Clock.measure(lambda: decode_one(self.engine, prompt, new_tokens))
 
 
 @dataclass

@@ -111,6 +111,27 @@ def save_tiny_tokenizer(out_dir: Path, vocab_size: int) -> None:
     tokenizer.save(str(out_dir / "tokenizer.json"))
 
 
+EOS, BOS, PAD = 256, 257, 258
+"""The specials of `save_byte_tokenizer`, after the 256 byte tokens."""
+BYTE_VOCAB_SIZE = 259
+SPECIAL_TOKENS = {"<eos>": EOS, "<bos>": BOS, "<pad>": PAD}
+
+
+def save_byte_tokenizer(out_dir: Path) -> None:
+    """A byte-level BPE `tokenizer.json` without merges (token id = byte value) plus the
+    specials, so both llguidance (structured outputs) and the render tier can read it."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from shared.byte_level import unicode_to_bytes
+
+    tokenizer = Tokenizer(models.BPE(vocab=dict(unicode_to_bytes()), merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(text, special=True) for text in SPECIAL_TOKENS])
+    assert all(tokenizer.token_to_id(text) == i for text, i in SPECIAL_TOKENS.items())
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+
+
 @dataclass
 class _SeqState:
     block_table: list[int] = field(default_factory=list)

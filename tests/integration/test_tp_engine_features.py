@@ -1,8 +1,9 @@
 """`Engine(tensor_parallel_size=2)` on CPU gives TP=1's results on each tiny model family
-(the families of test_tp_model: Llama with biases untied, Qwen3, Phi-3, Gemma 2 and a
-SmolLM2-shaped Llama whose 9 heads over 3 KV heads split unevenly) for greedy decoding
-(first-step top-20 logprobs within 1e-4), chunked prefill mixed with decodes (prompt
-logprobs included) and structured outputs (JSON schema, regex, choice).
+(the families of test_tp_model: Llama with biases untied, Qwen3, Phi-3, Gemma 2, a
+SmolLM2-shaped Llama whose 9 heads over 3 KV heads split unevenly, Mixtral and Qwen3-MoE
+with a dense layer) for greedy decoding (first-step top-20 logprobs within 1e-4), chunked
+prefill mixed with decodes (prompt logprobs included) and structured outputs (JSON schema,
+regex, choice).
 
 Structured outputs need a vocabulary whose tokens are bytes (a word-level one has none), so
 every model gets a byte-level tokenizer: ids 0-255 are the bytes, 256-258 the specials, an
@@ -22,15 +23,19 @@ import jsonschema
 import pytest
 
 from gpu_worker.engine.engine import Engine
-from shared.byte_level import unicode_to_bytes
 from shared.protocol import Constraint, Generate, TokenLogprobs
 from shared.sampling import SamplingParams
+from tests.helpers.tiny_models import (
+    BOS,
+    BYTE_VOCAB_SIZE,
+    EOS,
+    PAD,
+    save_byte_tokenizer,
+    save_tiny_model,
+)
 from tests.integration.test_tp_model import MODELS as FAMILIES
 from tests.unit.test_structured import CHOICES, PHONE, SHORT
 
-EOS, BOS, PAD = 256, 257, 258
-BYTE_VOCAB_SIZE = 259
-SPECIAL_TOKENS = {"<eos>": EOS, "<bos>": BOS, "<pad>": PAD}
 # Every family of test_tp_model, the mixture-of-experts ones included.
 NAMES = list(FAMILIES)
 
@@ -47,23 +52,8 @@ CONSTRAINTS = [
 ]
 
 
-def save_byte_tokenizer(out_dir: Path) -> None:
-    """A byte-level BPE `tokenizer.json` without merges (token id = byte value) plus the
-    specials, so both llguidance (structured outputs) and the render tier can read it."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    tokenizer = Tokenizer(models.BPE(vocab=dict(unicode_to_bytes()), merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(text, special=True) for text in SPECIAL_TOKENS])
-    assert all(tokenizer.token_to_id(text) == i for text, i in SPECIAL_TOKENS.items())
-    tokenizer.save(str(out_dir / "tokenizer.json"))
-
-
 def save_byte_model(out_dir: Path, name: str) -> Path:
     """The family model `name` of test_tp_model with a byte-level vocabulary."""
-    from tests.helpers.tiny_models import save_tiny_model  # transformers
-
     spec = dict(FAMILIES[name])
     family = spec.pop("family")
     spec.update(vocab_size=BYTE_VOCAB_SIZE, eos_token_id=EOS, bos_token_id=BOS, pad_token_id=PAD)

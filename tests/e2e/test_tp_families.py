@@ -1,9 +1,10 @@
 """`gpu-worker --tensor-parallel-size 2` serving tiny family models behind render-serve
 (CPU, gloo): greedy completions over HTTP, asked for with the `openai` client as a user
-would, carry the token ids a TP=1 engine gives for the same prompts. The models are
-test_tp_model's SmolLM2-shaped Llama (9 heads over 3 KV heads split unevenly, an odd
-vocabulary) and Gemma 2, with a byte-level tokenizer so that render-serve encodes and
-decodes their text. Both workers start at once; the reference runs in this process.
+would, carry the token ids a TP=1 engine gives for the same prompts. The models are every
+family of test_tp_model (Llama, Qwen3, Phi-3, Gemma 2, the SmolLM2-shaped Llama whose 9
+heads over 3 KV heads split unevenly, Mixtral, Qwen3-MoE), each with a byte-level
+tokenizer so that render-serve encodes and decodes their text. The workers start at once;
+the references run in this process meanwhile.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from tests.helpers.processes import (
     wait_worker_ready,
 )
 from tests.integration.test_tp_engine_features import save_byte_model
+from tests.integration.test_tp_model import MODELS as FAMILIES
 
-SERVED = ["smollm2_shape", "gemma2"]
+SERVED = list(FAMILIES)
 PROMPTS = ["Once upon a time", '{"name": "Ada", "langs": [']
 MAX_TOKENS = 12
 TP2 = ["--tensor-parallel-size", "2", "--dist-timeout", "20"]

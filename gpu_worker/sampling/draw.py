@@ -53,7 +53,9 @@ def uniforms(seeds: list[int | None], positions: list[int], device: torch.device
 
 def draw(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """[m] index into each row of `logits` ([m, width], -inf for tokens that may not be
-    drawn, at least one finite per row), drawn with probability softmax(row) by `u`."""
+    drawn), drawn with probability softmax(row) by `u`. A row without a distribution (no
+    finite logit, a +inf or a NaN: filters or a logit bias that left nothing, overflowed
+    scaling) takes its argmax instead, so one odd request never indexes past its row."""
     m, width = logits.shape
     size = min(BLOCK, width)
     blocks = -(-width // size)
@@ -68,11 +70,14 @@ def draw(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # target stays strictly below the last one that adds weight (twice: across blocks in
     # fp64, then inside the block in fp32).
     target = torch.minimum(u[:, None] * total, _below(total))
-    block = torch.searchsorted(ends, target, right=True)
+    # Only a row whose total is not a positive finite number (see above) can pass the end.
+    block = torch.searchsorted(ends, target, right=True).clamp_max_(blocks - 1)
     before = torch.where(block > 0, ends.gather(1, (block - 1).clamp_min(0)), 0.0)
     cdf = inner.gather(1, block[:, :, None].expand(m, 1, size)).squeeze(1)
     local = torch.minimum((target - before).float(), _below(cdf[:, -1:]))
-    return (block * size + torch.searchsorted(cdf, local, right=True)).squeeze(1)
+    drawn = (block * size + torch.searchsorted(cdf, local, right=True)).squeeze(1)
+    has_distribution = ((total > 0) & torch.isfinite(total)).squeeze(1)
+    return torch.where(has_distribution, drawn, logits.argmax(dim=-1))
 
 
 def _below(t: torch.Tensor) -> torch.Tensor:

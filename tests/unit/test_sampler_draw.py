@@ -42,6 +42,22 @@ def test_draw_picks_only_finite_tokens_even_at_the_ends_of_u() -> None:
     assert draw(logits, u).tolist() == [1, 1, 3]
 
 
+@pytest.mark.parametrize("width", [48, 3000])  # one block, several blocks
+def test_a_row_without_a_distribution_takes_its_argmax_beside_normal_rows(width: int) -> None:
+    """No finite logit, a +inf, a NaN: such a row has no softmax to draw from (the worker
+    once indexed past the row and died on one); it takes its argmax, in range, and the
+    normal rows of the batch draw as they would alone."""
+    normal = torch.randn(2, width)
+    odd = torch.full((3, width), float("-inf"))
+    odd[1, 7], odd[2, 5] = float("inf"), float("nan")
+    logits = torch.cat([normal[:1], odd, normal[1:]])
+    u = torch.tensor([0.3, 0.999, 0.5, 0.0, 0.7], dtype=torch.float64)
+    tokens = draw(logits, u)
+    assert tokens[1:4].tolist() == [0, 7, 5]
+    alone = draw(normal, u[[0, 4]])
+    assert tokens[[0, 4]].tolist() == alone.tolist()
+
+
 def test_draw_maps_a_grid_of_u_onto_the_softmax_across_blocks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

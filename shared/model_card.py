@@ -37,3 +37,7 @@ class ModelCard(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, 
     """The worker's `--scheduling-policy`. Under "fcfs" it refuses a request whose
     `priority` is not 0 (invalid_request), so the render answers 400 naming `priority`
     before sending; under "priority" lower values run first and are preempted last."""
+    max_loras: int = 0
+    """LoRA adapters the worker holds in slots at once (`--max-loras`); 0 = LoRA off."""
+    max_lora_rank: int = 0
+    """Largest adapter rank the worker accepts (`--max-lora-rank`); 0 when LoRA is off."""

@@ -19,7 +19,7 @@ import msgspec
 from shared.model_card import ModelCard
 from shared.sampling import INT64_MAX, INT64_MIN, SamplingParams, TokenId
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAGIC = b"DU"
 HEADER_BYTES = len(MAGIC) + 1
 
@@ -31,6 +31,8 @@ MAX_CONSTRAINT_CHARS = 256 * 1024
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 ShortText = Annotated[str, msgspec.Meta(max_length=4096)]
+LoRAName = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+"""The name a LoRA adapter is served under (a request's `model`)."""
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
@@ -102,6 +104,8 @@ class Generate(_Message, tag="generate", kw_only=True):
     """Wall-clock time the render server received the HTTP request."""
     constraint: Constraint | None = None
     """Structured output: every generated token must keep the output inside it."""
+    lora_name: LoRAName | None = None
+    """Run under this registered LoRA adapter; None is the base model."""
 
 
 class Abort(_Message, tag="abort", kw_only=True):
@@ -116,7 +120,23 @@ class ClientHeartbeat(_Message, tag="client_heartbeat", kw_only=True):
     sent_at: float
 
 
-RenderToWorker = Hello | Generate | Abort | ClientHeartbeat
+class LoadLoRA(_Message, tag="load_lora", kw_only=True):
+    """Register a LoRA adapter from the worker's disk (inside its --lora-root); the worker
+    answers LoRAResult with the same op_id."""
+
+    op_id: RequestId
+    lora_name: LoRAName
+    lora_path: Annotated[str, msgspec.Meta(max_length=4096)]
+
+
+class UnloadLoRA(_Message, tag="unload_lora", kw_only=True):
+    """Forget a registered LoRA adapter; answered by LoRAResult with the same op_id."""
+
+    op_id: RequestId
+    lora_name: LoRAName
+
+
+RenderToWorker = Hello | Generate | Abort | ClientHeartbeat | LoadLoRA | UnloadLoRA
 
 
 # ---- worker -> render ---------------------------------------------------------------
@@ -214,6 +234,14 @@ class WorkerStats(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     steps: int = 0
     bad_frames: int = 0
     """Frames the worker could not decode since it started."""
+    lora_registered: Annotated[list[LoRAName], msgspec.Meta(max_length=MAX_BATCH)] = []
+    """LoRA adapters the worker can serve: its --lora-modules and runtime loads."""
+    lora_resident: Annotated[list[LoRAName], msgspec.Meta(max_length=MAX_BATCH)] = []
+    """The registered adapters in the worker's --max-loras slots now (no load before use)."""
+    lora_loads: int = 0
+    """Adapter copies into a slot since the worker started."""
+    lora_evictions: int = 0
+    """Resident adapters displaced (least recently used) to make room for another."""
 
 
 class Heartbeat(_Message, tag="heartbeat", kw_only=True):
@@ -223,7 +251,17 @@ class Heartbeat(_Message, tag="heartbeat", kw_only=True):
     stats: WorkerStats
 
 
-RejectCode = Literal["invalid_request", "too_long", "queue_full", "duplicate", "protocol"]
+RejectCode = Literal[
+    "invalid_request",
+    "too_long",
+    "queue_full",
+    "duplicate",
+    "protocol",
+    "lora_not_found",
+    "lora_disabled",
+]
+"""`lora_not_found`: the request names an adapter the worker has not registered (render
+answers 404); `lora_disabled`: it names one and the worker runs without --enable-lora (400)."""
 
 
 class Rejected(_Message, tag="rejected", kw_only=True):
@@ -234,7 +272,17 @@ class Rejected(_Message, tag="rejected", kw_only=True):
     message: ShortText
 
 
-WorkerToRender = Welcome | Deltas | Heartbeat | Rejected
+class LoRAResult(_Message, tag="lora_result", kw_only=True):
+    """The answer to LoadLoRA or UnloadLoRA."""
+
+    op_id: RequestId
+    ok: bool
+    status: int
+    """HTTP-style: 200 done, 400 invalid or refused, 404 not found, 409 already loaded or in use."""
+    message: ShortText
+
+
+WorkerToRender = Welcome | Deltas | Heartbeat | Rejected | LoRAResult
 
 
 # ---- framing ------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from shared.protocol import (
     Encoder,
     Heartbeat,
     Hello,
+    LoRAResult,
     ProtocolError,
     Rejected,
     RenderMessageDecoder,
@@ -76,7 +77,7 @@ class Outbox:
     """Per-client messages waiting for the socket; Deltas coalesce per request."""
 
     def __init__(self) -> None:
-        self.control: deque[Welcome | Heartbeat | Rejected] = deque()
+        self.control: deque[Welcome | Heartbeat | Rejected | LoRAResult] = deque()
         self.deltas: dict[str, RequestDelta] = {}
         self.step = 0
 

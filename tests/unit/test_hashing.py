@@ -41,6 +41,18 @@ def test_salt_separates_tenants() -> None:
     assert prefix_block_hashes(TOKENS, 16, None) == prefix_block_hashes(TOKENS, 16, "")
 
 
+def test_each_lora_adapter_has_its_own_tree() -> None:
+    base = prefix_block_hashes(TOKENS, 16)
+    alpha = prefix_block_hashes(TOKENS, 16, lora_name="alpha")
+    assert alpha == prefix_block_hashes(TOKENS, 16, lora_name="alpha")
+    assert alpha != base
+    assert alpha != prefix_block_hashes(TOKENS, 16, lora_name="beta")
+    assert alpha != prefix_block_hashes(TOKENS, 16, "t", lora_name="alpha")
+    # the salt's length is hashed, so moving characters between salt and name changes the root
+    assert root_hash("ab", "c") != root_hash("a", "bc")
+    assert root_hash("", "alpha") != root_hash("alpha")
+
+
 def test_stable_across_processes() -> None:
     code = (
         "from shared.hashing import prefix_block_hashes;"

@@ -25,11 +25,14 @@ from shared.protocol import (
     Generate,
     Heartbeat,
     Hello,
+    LoadLoRA,
+    LoRAResult,
     ProtocolError,
     Rejected,
     RenderMessageDecoder,
     RequestDelta,
     TokenLogprobs,
+    UnloadLoRA,
     VersionMismatch,
     Welcome,
     WorkerMessageDecoder,
@@ -77,6 +80,14 @@ RENDER_MESSAGES = [
     ),
     Abort(request_ids=["req-1", "req-2"]),
     ClientHeartbeat(sent_at=1.0),
+    Generate(
+        request_id="req-lora",
+        prompt_token_ids=[1],
+        sampling=SamplingParams(),
+        lora_name="alpha",
+    ),
+    LoadLoRA(op_id="op-1", lora_name="alpha", lora_path="adapters/alpha"),
+    UnloadLoRA(op_id="op-2", lora_name="alpha"),
 ]
 
 WORKER_MESSAGES = [
@@ -99,7 +110,23 @@ WORKER_MESSAGES = [
         step=7,
     ),
     Heartbeat(sent_at=3.0, stats=WorkerStats(num_running=1, kv_blocks_total=100)),
+    Heartbeat(
+        sent_at=4.0,
+        stats=WorkerStats(
+            lora_registered=["alpha", "beta"],
+            lora_resident=["beta"],
+            lora_loads=3,
+            lora_evictions=2,
+        ),
+    ),
+    Welcome(
+        worker_id="w2", model_card=msgspec.structs.replace(CARD, max_loras=4, max_lora_rank=16)
+    ),
     Rejected(request_id="req-3", code="too_long", message="prompt is 9000 tokens"),
+    Rejected(request_id="req-4", code="lora_not_found", message="no adapter 'gamma'"),
+    Rejected(request_id="req-5", code="lora_disabled", message="LoRA is off"),
+    LoRAResult(op_id="op-1", ok=True, status=200, message=""),
+    LoRAResult(op_id="op-2", ok=False, status=404, message="no adapter 'alpha'"),
 ]
 
 
@@ -115,11 +142,12 @@ def test_worker_messages_round_trip(message: object) -> None:
     assert WorkerMessageDecoder().decode(frame) == message
 
 
-def test_protocol_version_is_2() -> None:
-    # v2 added Generate.constraint; a v1 peer is refused at the frame header.
-    assert PROTOCOL_VERSION == 2
+def test_protocol_version_is_3() -> None:
+    # v2 added Generate.constraint, v3 LoRA (Generate.lora_name, LoadLoRA, UnloadLoRA,
+    # LoRAResult); a v2 peer is refused at the frame header.
+    assert PROTOCOL_VERSION == 3
     frame = bytearray(Encoder().encode(Hello()))
-    frame[2] = 1
+    frame[2] = 2
     with pytest.raises(VersionMismatch):
         RenderMessageDecoder().decode(bytes(frame))
 
@@ -257,6 +285,23 @@ def test_oversized_frame_raises() -> None:
                 {"bad_words_token_ids": [[1]] * (MAX_BAD_WORDS + 1)},
             ]
         ),
+        {
+            "type": "generate",
+            "request_id": "a",
+            "prompt_token_ids": [1],
+            "sampling": {},
+            "lora_name": "",
+        },
+        {
+            "type": "generate",
+            "request_id": "a",
+            "prompt_token_ids": [1],
+            "sampling": {},
+            "lora_name": "x" * 129,
+        },
+        {"type": "load_lora", "op_id": "o", "lora_name": "a"},
+        {"type": "load_lora", "op_id": "o", "lora_name": "a", "lora_path": "p" * 4097},
+        {"type": "unload_lora", "op_id": "", "lora_name": "a"},
         {"type": "hello", "protocol_version": 1, "evil": True},
         {"type": "no_such_message"},
         {"type": "abort", "request_ids": "not-a-list"},

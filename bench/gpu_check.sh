@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
-# The GPU path's device check, as ONE self-contained call that fits 8 minutes on the device.
+# The GPU path's device check, as ONE self-contained call that fits 9 minutes on the device.
 #
 #   here, first:   bash bench/gpu_prepare.sh        # writes .gpucarry/ (git-ignored, ~17 MiB)
-#   the call:      run(command="bash bench/gpu_check.sh", carry=[".gpucarry"], timeout_s=600)
+#   the call:      run(command="bash bench/gpu_check.sh", carry=[".gpucarry"], timeout_s=590)
 #   dry run here:  bash bench/gpu_check.sh --device cpu [--quick]
 #
 # It needs nothing from an earlier call: it finds the device's Python version first, installs
 # the carried wheels for that version into a fresh folder, writes a random-weight stand-in
 # for the built-in SmolLM2-135M there (same shapes, tokenizer and quantization types:
 # bench/random_model.py), then runs four steps, each under its own limit (the LIMITS below),
-# never past BUDGET_S (480 s) in all:
+# never past BUDGET_S (520 s) in all:
 #   kernel-tests   tests/kernels (the engine tests aside), on CUDA
 #   engine-tests   tests/kernels/test_cuda_graphs.py tests/unit/test_kv_sizing.py -m cuda:
 #                  graphs = eager, Triton ~ torch, the profiled KV budget holds at 0.95
-#   kernel-bench   bench/kernels.py --quick: decode and prefill against copy bandwidth, SDPA
-#   engine-bench   bench/kernels.py: the engine with and without decode graphs, alternating
+#   kernel-bench   bench/kernels.py: decode (batch 1/32/256 x context 1k/8k/32k) against copy
+#                  bandwidth and SDPA, prefill TFLOP/s against SDPA
+#   engine-bench   bench/gpu_engine.py: the engine with and without decode graphs at 1, 32 and
+#                  256 concurrent, on the built-in model's stand-in and a random 1B Llama (bf16),
+#                  and its time outside the forward at batch 256
 # Results, in $OUT (7 files; a device call returns at most 8): summary.json (each step's
 # status, seconds and pytest counts), setup.txt, tests.txt, bench.txt, kernels.json,
 # kernels-engine.json, and RESULTS.md (the sections to paste into bench/RESULTS.md).
@@ -38,13 +41,13 @@ while [ $# -gt 0 ]; do
 done
 case "$DEVICE" in cuda | cpu) ;; *) echo "--device takes cuda or cpu" >&2; exit 2 ;; esac
 
-BUDGET_S=${BUDGET_S:-480}
+BUDGET_S=${BUDGET_S:-520}
 # Seconds per step: set-up, kernel tests, engine tests, kernel bench, engine bench. The CPU
 # runs the kernel tests in Triton's interpreter, loads the 30-layer stand-in twice for the
 # engine bench, and has no kernel bench to run. LIMITS="a b c d e" rebalances them;
 # STEPS="engine-tests engine-bench" runs only those after the set-up (a second device call
 # in what is left of the session's device time).
-default_limits="60 140 90 90 100"
+default_limits="50 110 60 130 170"
 [ "$DEVICE" = cpu ] && default_limits="40 190 80 0 170"
 read -r -a LIMITS <<<"${LIMITS:-$default_limits}"
 CARRY=${CARRY:-.gpucarry}
@@ -179,16 +182,18 @@ fi
 
 # ---- benchmarks -------------------------------------------------------------------------
 if [ "$DEVICE" = cuda ]; then
-    step kernel-bench "${LIMITS[3]}" bench.txt "$PY" bench/kernels.py --engine-prompts 0 --quick
+    kernel_sizes=()
+    [ "$QUICK" = 1 ] && kernel_sizes=(--quick)
+    step kernel-bench "${LIMITS[3]}" bench.txt "$PY" bench/kernels.py "${kernel_sizes[@]}"
     if [ "$QUICK" = 1 ]; then
-        sizes=(--engine-prompts 64 --max-num-seqs 32)
+        engine_sizes=(--models smollm2 --concurrency 1 32)
     else
-        sizes=(--engine-prompts 512 --max-num-seqs 256)
+        engine_sizes=(--models smollm2 llama-1b --concurrency 1 32 256)
     fi
 else
     record kernel-bench skipped "" 0 0 "CUDA only: it times the Triton kernels on the GPU"
-    sizes=(--device cpu --engine-prompts 2 --max-num-seqs 2 --max-output 8 --engine-repeats 1
+    engine_sizes=(--device cpu --models smollm2 --concurrency 1 2 --max-output 8 --repeats 1
         --kv-cache-gb 0.25)
 fi
-step engine-bench "${LIMITS[4]}" bench.txt "$PY" bench/kernels.py --skip-kernels "${sizes[@]}"
+step engine-bench "${LIMITS[4]}" bench.txt "$PY" bench/gpu_engine.py "${engine_sizes[@]}"
 finish

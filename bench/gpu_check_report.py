@@ -5,7 +5,7 @@
 STEPS.tsv has one line per step, as the script records it: name, status (passed, failed,
 timed out, skipped), exit code, seconds, time limit, and a detail (pytest's counts line, or
 why the step was skipped). Writes OUT/summary.json, and OUT/RESULTS.md with the sections
-bench/kernels.py rendered (from OUT/kernels.json and OUT/kernels-engine.json) for pasting
+bench/kernels.py and bench/gpu_engine.py rendered (OUT/kernels.json, OUT/kernels-engine.json) for pasting
 into bench/RESULTS.md; prints the steps as a table, last, so a device call's reply shows it.
 """
 
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# bench/kernels.py's JSON payloads and the markdown section each one carries.
+# bench/kernels.py's and bench/gpu_engine.py's JSON payloads and the markdown section each carries.
 SECTIONS = (("kernels.json", "kernels_section"), ("kernels-engine.json", "engine_section"))
 
 

@@ -1,6 +1,6 @@
 """Triton attention kernels on a GPU, against baselines measured in the same run.
 
-    python bench/kernels.py [--quick] [--skip-kernels] [--engine-prompts N] [--device cpu]
+    python bench/kernels.py [--quick]
 
 Decode (`kernels.paged_attention.paged_decode_attention`): batch 1, 32, 256 x context 1k, 8k,
 32k; bf16, 32 query heads over 8 KV heads, head_dim 128, block size 16, blocks in random order.
@@ -11,18 +11,10 @@ Decode (`kernels.paged_attention.paged_decode_attention`): batch 1, 32, 256 x co
 Prefill (`kernels.prefill_attention.paged_prefill_attention`): causal TFLOP/s (only the visible
 query-key pairs counted) against SDPA on the same shapes, K/V expanded to all heads for it.
 
-Engine (`--engine-prompts`, default 512): output tok/s of `bench/engine.py`'s workload (chat
-prompts of 100-150 tokens, outputs uniform over 16-256 with ignore_eos, greedy) through
-`Engine(device="cuda")` with SmolLM2 at `--max-num-seqs` 256, with decode CUDA graphs and with
-`enforce_eager=True`, alternating, in this process. Each engine's KV cache is sized
-explicitly (`--kv-cache-gb`): sized from free memory, the first would leave the second none.
-With `--device cpu` (bench/gpu_check.sh's dry run) only this part runs, on the CPU at the
-sizes given, to exercise the code path; CPU numbers go to stdout and $OUT, not RESULTS.md.
-
 Kernels are timed as CUDA-graph replays (`triton.testing.do_bench_cudagraph`), as the engine runs
 decode: CPU launch overhead is left out on both sides. Small decode cases fit in L2 and are
-marked so. Writes the `kernels` and `kernels-engine` sections of bench/RESULTS.md, and
-`$OUT/kernels.json` when OUT is set. Needs a CUDA GPU; about 6 minutes on an H200.
+marked so. Writes the `kernels` section of bench/RESULTS.md, and `$OUT/kernels.json` when OUT
+is set. Needs a CUDA GPU. The engine on the GPU is bench/gpu_engine.py.
 """
 
 from __future__ import annotations
@@ -30,9 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -265,118 +255,11 @@ def bench_prefill(
     )
 
 
-@dataclass
-class EngineResult:
-    """The engine workload with and without decode CUDA graphs."""
-
-    max_num_seqs: int
-    num_prompts: int
-    output_tokens: int
-    eager_tok_s: list[float]
-    graphs_tok_s: list[float]
-    graph_steps: int
-    outputs_equal: bool
-    model_file: str
-
-    @property
-    def ratio(self) -> float:
-        return statistics.median(self.graphs_tok_s) / statistics.median(self.eager_tok_s)
-
-
-def bench_engine(
-    num_prompts: int,
-    max_num_seqs: int,
-    repeats: int,
-    *,
-    device: str = "cuda",
-    max_output: int = 256,
-    kv_cache_gb: float = 4.0,
-) -> EngineResult:
-    """Both engines load once; passes alternate eager / graphs so drift hits both alike.
-
-    Both are alive at once, so each gets `kv_cache_gb` of KV cache rather than a share of
-    free memory (which the first engine would take nearly all of)."""
-    from engine import build_workload
-
-    from gpu_worker import Engine
-    from render_server.templating.chat_template import ChatRenderer
-    from render_server.templating.tokenizer import Tokenizer
-    from shared.model_source import DEFAULT_MODEL, resolve_model
-    from shared.sampling import SamplingParams
-
-    source = resolve_model(DEFAULT_MODEL)
-    renderer = ChatRenderer(Tokenizer.from_source(source))
-    work = build_workload(renderer, num_prompts, max_output, seed=0)
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in work.output_lens
-    ]
-    engines = {
-        eager: Engine(
-            device=device,
-            max_num_seqs=max_num_seqs,
-            enforce_eager=eager,
-            kv_cache_memory_gb=kv_cache_gb,
-        )
-        for eager in (True, False)
-    }
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    rates: dict[bool, list[float]] = {True: [], False: []}
-    outputs: dict[bool, list[list[int]]] = {}
-    for engine in engines.values():  # warm-up: compile, autotune, settle the allocator
-        engine.generate(work.prompts[:8], params[:8])
-    for _ in range(repeats):
-        for eager, engine in engines.items():
-            engine.reset_prefix_cache()
-            sync()
-            start = time.perf_counter()
-            completions = engine.generate(work.prompts, params)
-            sync()
-            rates[eager].append(work.useful_tokens / (time.perf_counter() - start))
-            outputs[eager] = [c.token_ids for c in completions]
-    return EngineResult(
-        max_num_seqs=max_num_seqs,
-        num_prompts=num_prompts,
-        output_tokens=work.useful_tokens,
-        eager_tok_s=rates[True],
-        graphs_tok_s=rates[False],
-        graph_steps=engines[False].runner.num_graph_steps,
-        outputs_equal=outputs[True] == outputs[False],
-        model_file=str(source.path),
-    )
-
-
 def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def render_engine(result: EngineResult) -> list[str]:
-    """The engine table: tok/s per pass, medians and their ratio."""
-    eager = statistics.median(result.eager_tok_s)
-    graphs = statistics.median(result.graphs_tok_s)
-    return [
-        "",
-        f"### Engine: SmolLM2-135M, {result.num_prompts} chat prompts, "
-        f"{result.output_tokens:,} output tokens, max-num-seqs {result.max_num_seqs}",
-        "",
-        f"Model file: `{result.model_file}` (bench/gpu_check.sh puts a random-weight stand-in "
-        "at SmolLM2's shapes there: speed, not text, is measured).",
-        "",
-        "| mode | output tok/s (median) | passes |",
-        "|---|---:|---|",
-        f"| eager (`--enforce-eager`) | {eager:,.0f} | "
-        + ", ".join(f"{r:,.0f}" for r in result.eager_tok_s)
-        + " |",
-        f"| decode CUDA graphs | {graphs:,.0f} | "
-        + ", ".join(f"{r:,.0f}" for r in result.graphs_tok_s)
-        + " |",
-        "",
-        f"Graphs / eager: **{result.ratio:.2f}x**; {result.graph_steps:,} decode steps "
-        f"replayed a graph; greedy outputs identical in both modes: "
-        f"{'yes' if result.outputs_equal else 'NO'}.",
-    ]
-
-
-def render(device_name: str, command: str, copy_bps: float, decode, prefill, engine=None) -> str:
+def render(device_name: str, command: str, copy_bps: float, decode, prefill) -> str:
     lines = [
         "## Triton kernels (bench/kernels.py)",
         "",
@@ -485,87 +368,26 @@ def run_kernels(args: argparse.Namespace, device: torch.device) -> dict[str, obj
     }
 
 
-def run_engine(args: argparse.Namespace, device: torch.device) -> dict[str, object]:
-    """The engine with and without decode CUDA graphs; on CUDA, writes the `kernels-engine`
-    section (on the CPU there are no graphs: both modes run eagerly, the path is what counts)."""
-    result = bench_engine(
-        args.engine_prompts,
-        args.max_num_seqs,
-        args.engine_repeats,
-        device=device.type,
-        max_output=args.max_output,
-        kv_cache_gb=args.kv_cache_gb,
-    )
-    eager = ", ".join(f"{r:,.0f}" for r in result.eager_tok_s)
-    graphs = ", ".join(f"{r:,.0f}" for r in result.graphs_tok_s)
-    print(
-        f"engine: eager {eager} tok/s, graphs {graphs} tok/s, {result.ratio:.2f}x, "
-        f"outputs equal: {result.outputs_equal}",
-        flush=True,
-    )
-    command = command_line()
-    if device.type == "cuda":
-        where = f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
-        where += f"triton {_triton_version()}; bf16, Triton attention"
-    else:
-        where = f"the CPU, torch {torch.__version__}; fp32, torch attention, no graphs"
-    header = [
-        f"## Engine on the {device.type.upper()}: decode CUDA graphs (bench/kernels.py)",
-        "",
-        f"Command: `{command}` on {where}.",
-    ]
-    section = "\n".join(header + render_engine(result)) + "\n"
-    if device.type == "cuda":
-        write_section("kernels-engine", section)
-    return {"engine": {**asdict(result), "ratio": result.ratio}, "engine_section": section}
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="batch 1 and 32, contexts 1k, 8k")
-    parser.add_argument("--skip-kernels", action="store_true", help="only the engine part")
-    parser.add_argument(
-        "--engine-prompts", type=int, default=512, help="engine workload size; 0 skips it"
-    )
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="engine concurrency")
-    parser.add_argument("--engine-repeats", type=int, default=2, help="passes per engine mode")
-    parser.add_argument("--max-output", type=int, default=256, help="longest engine output")
-    parser.add_argument(
-        "--kv-cache-gb", type=float, default=4.0, help="KV cache of each of the two engines"
-    )
-    parser.add_argument(
-        "--device",
-        choices=("cuda", "cpu"),
-        default="cuda",
-        help="cpu: the engine part only, on the CPU (a dry run of the code path)",
-    )
     args = parser.parse_args()
-    if args.device == "cpu" and not args.skip_kernels:
-        print("the kernels are timed on CUDA only: pass --skip-kernels with --device cpu.")
-        return 2
-    if args.device == "cuda" and not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU: the Triton kernels run only there.")
         return 2
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: the interpreter is for CPU tests, not for timing.")
         return 2
-
-    device = torch.device(args.device)
+    device = torch.device("cuda")
     payload: dict[str, object] = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "device": torch.cuda.get_device_name(device),
         "torch": torch.__version__,
         "triton": _triton_version(),
+        **run_kernels(args, device),
     }
-    if not args.skip_kernels:
-        payload.update(run_kernels(args, device))
-    if args.engine_prompts > 0:
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        payload.update(run_engine(args, device))
     out_dir = os.environ.get("OUT")
     if out_dir:
-        name = "kernels-engine.json" if args.skip_kernels else "kernels.json"
-        Path(out_dir, name).write_text(json.dumps(payload, indent=2))
+        Path(out_dir, "kernels.json").write_text(json.dumps(payload, indent=2))
     return 0
 
 

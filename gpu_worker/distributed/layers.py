@@ -139,8 +139,13 @@ class RowParallelLinear(Linear):
         if self.bias is not None and local_bias is not None:
             self.bias.copy_(local_bias)
 
+    def local_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output, before the all-reduce (LoRA adds its own partial
+        update here, so the one all-reduce sums both)."""
+        return super().forward(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce_(self.group, super().forward(x))
+        return all_reduce_(self.group, self.local_forward(x))
 
 
 class ParallelExperts(Experts):

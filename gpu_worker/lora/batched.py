@@ -4,22 +4,173 @@ Layout (shared with `kernels.lora`): `a_stack [slots, r_max, in]`, `b_stack [slo
 r_max]`, zero-padded past each adapter's rank, fp32 `scales [slots]` (lora_alpha / r, or
 / sqrt(r) with rsLoRA), and an int32/int64 slot per row, -1 for rows without an adapter.
 
-On CUDA with Triton installed, `add_lora` runs the punica-style kernels; elsewhere torch:
-rows gathered and sorted once by slot, then one matmul pair per slot present, rounding as
-PEFT does (`lora_A(x)` and `lora_B(...)` in the model dtype, then scaled and added).
-bench/lora.py chose grouping over gathering each row's A and B for two batched matmuls: the
-gather copies `rows * r_max * (in + out)` weights per call: 2.6-12x slower than grouping
-from 32 rows up, and at 1-8 rows at best 0.84x of it (8 adapters, 8 rows), not worth a
-second path (bench/RESULTS.md, section lora). A batch on one adapter skips the gather and scatter.
+A step's rows are planned once (`LoRABatch.plan`, from `LoRAState.set_rows`) and the plan
+is read by every projection of the step (7 per decoder layer), so no projection sorts,
+counts or syncs. On CUDA with Triton installed `add` runs the punica-style kernels (the
+SGMV block order, for steps past `BGMV_MAX_ROWS` rows, is part of the plan); elsewhere
+torch: the rows sorted by slot and padded to equal groups over the span of slots present,
+then two batched matmuls over all groups at once (`[slots, rows, in] @ A.T @ B.T`), scaled
+and scattered back, rounding as PEFT does (`lora_A(x)` and `lora_B(...)` in the model
+dtype, then scaled). That is ~6 launches per projection whatever the number of adapters,
+where a matmul pair per slot took ~5 per adapter (bench/RESULTS.md, section lora, measures
+both). Gathering each row's A and B instead copies `rows * r_max * (in + out)` weights per
+call: 2.6-12x slower from 32 rows up. A batch on one adapter skips the gather and scatter.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class _Groups:
+    """The torch path's layout: slots `first .. first + num_groups` each own `group_size`
+    consecutive positions; position p reads row `gather_rows[p]` (padding reads row 0 and
+    is never scattered)."""
+
+    first: int
+    num_groups: int
+    group_size: int
+    gather_rows: torch.Tensor
+    """int64 [num_groups * group_size]."""
+    real_positions: torch.Tensor | None
+    """int64: the positions holding real rows, in order; None when none is padding."""
+    target_rows: torch.Tensor
+    """int64: the row each real position adds to."""
+    scales: torch.Tensor
+    """The span's scales as [num_groups, 1, 1] (a view: reloaded slots stay current)."""
+
+
+@dataclass(frozen=True)
+class LoRABatch:
+    """One step's rows, planned once for every projection of the step."""
+
+    row_slots: torch.Tensor
+    """int32/int64 [rows], -1 for base rows."""
+    scales: torch.Tensor
+    """fp32 [slots], the slots' own tensor."""
+    num_slots: int
+    present: frozenset[int]
+    """The slots some row uses (empty on CUDA, where it is not read back)."""
+    whole_batch_slot: int | None = None
+    """Torch path: the one slot every row uses (no gather, no scatter)."""
+    whole_batch_scale: float = 0.0
+    """That slot's scale."""
+    groups: _Groups | None = None
+    """Torch path with rows of several slots or base rows."""
+    sgmv_blocks: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Triton path past BGMV_MAX_ROWS rows: `kernels.lora.slot_blocks` of the rows."""
+
+    @classmethod
+    def plan(
+        cls, row_slots: torch.Tensor, scales: torch.Tensor, *, use_kernels: bool | None = None
+    ) -> LoRABatch | None:
+        """The plan for `row_slots` (None when no row has an adapter, known on the host
+        only). With the kernels (CUDA and Triton, unless `use_kernels` says otherwise) it
+        reads nothing back, so it may be built inside a CUDA graph capture."""
+        num_slots = scales.shape[0]
+        if use_kernels is None:
+            use_kernels = row_slots.is_cuda and _have_triton()
+        if use_kernels:
+            from kernels.lora import BGMV_MAX_ROWS, slot_blocks
+
+            blocks = None
+            if row_slots.numel() > BGMV_MAX_ROWS:
+                blocks = slot_blocks(row_slots, num_slots)
+            return cls(row_slots, scales, num_slots, frozenset(), sgmv_blocks=blocks)
+        slots = row_slots.to(torch.int64)
+        # Base rows (-1) count as group 0, so they sort first.
+        counts = torch.bincount(slots + 1, minlength=num_slots + 1).tolist()
+        num_rows = slots.shape[0]
+        if counts[0] == num_rows:
+            return None
+        present = [slot for slot in range(num_slots) if counts[slot + 1]]
+        if counts[present[0] + 1] == num_rows:
+            slot = present[0]
+            return cls(row_slots, scales, num_slots, frozenset(present), slot, float(scales[slot]))
+        return cls(
+            row_slots,
+            scales,
+            num_slots,
+            frozenset(present),
+            groups=_group(slots, counts, present, scales),
+        )
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The torch path's grouped rows of `x` `[groups, group_size, in]`, shared by the
+        parts of one projection (q, k and v read the same x); None elsewhere."""
+        groups = self.groups
+        if groups is None:
+            return None
+        grouped = x.index_select(0, groups.gather_rows)
+        return grouped.view(groups.num_groups, groups.group_size, x.shape[1])
+
+    def add(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        a_stack: torch.Tensor,
+        b_stack: torch.Tensor,
+        grouped_x: torch.Tensor | None = None,
+    ) -> None:
+        """`y[i] += scales[s] * (x[i] @ a_stack[s].T) @ b_stack[s].T` for each row i of an
+        adapter slot s, in place; y `[rows, out]` may be a column view of a fused output.
+        `grouped_x` is `gather(x)` when the caller has it."""
+        if x.shape[0] == 0:
+            return
+        if self.whole_batch_slot is not None:
+            slot = self.whole_batch_slot
+            shrunk = F.linear(x, a_stack[slot])
+            y += F.linear(shrunk, b_stack[slot]) * self.whole_batch_scale
+            return
+        groups = self.groups
+        if groups is None:
+            from kernels.lora import lora_add
+
+            lora_add(y, x, a_stack, b_stack, self.scales, self.row_slots, blocks=self.sgmv_blocks)
+            return
+        if grouped_x is None:
+            grouped_x = self.gather(x)
+            assert grouped_x is not None
+        span = slice(groups.first, groups.first + groups.num_groups)
+        shrunk = torch.bmm(grouped_x, a_stack[span].transpose(1, 2))
+        delta = torch.bmm(shrunk, b_stack[span].transpose(1, 2))
+        delta.mul_(groups.scales)
+        flat = delta.view(-1, delta.shape[2])
+        if groups.real_positions is not None:
+            flat = flat.index_select(0, groups.real_positions)
+        y.index_add_(0, groups.target_rows, flat)
+
+
+def _group(
+    slots: torch.Tensor, counts: list[int], present: list[int], scales: torch.Tensor
+) -> _Groups:
+    first, last = present[0], present[-1]
+    num_groups = last - first + 1
+    group_size = max(counts[slot + 1] for slot in present)
+    order = slots.argsort(stable=True)[counts[0] :]
+    # Each real row's position: its slot's group start plus its rank within the slot.
+    positions: list[int] = []
+    for slot in range(first, last + 1):
+        start = (slot - first) * group_size
+        positions.extend(range(start, start + counts[slot + 1]))
+    position_of = torch.tensor(positions, dtype=torch.int64, device=slots.device)
+    padded = num_groups * group_size
+    gather_rows = torch.zeros(padded, dtype=torch.int64, device=slots.device)
+    gather_rows[position_of] = order
+    real = None if len(positions) == padded else position_of
+    span_scales = scales[first : last + 1].view(num_groups, 1, 1)
+    return _Groups(first, num_groups, group_size, gather_rows, real, order, span_scales)
+
+
+@functools.cache
+def _have_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def add_lora(
@@ -31,50 +182,10 @@ def add_lora(
     row_slots: torch.Tensor,
 ) -> None:
     """`y[i] += scales[s] * (x[i] @ a_stack[s].T) @ b_stack[s].T` for each row i whose slot
-    `s = row_slots[i]` is not -1, in place. y `[rows, out]` may be a column view of a fused
-    projection's output (the q part of qkv, say): its rows need not be contiguous."""
+    `s = row_slots[i]` is not -1, in place: one projection's plan and add (a step plans
+    once with `LoRABatch.plan` instead)."""
     if x.shape[0] == 0:
         return
-    if x.is_cuda and _have_triton():
-        from kernels.lora import lora_add
-
-        lora_add(y, x, a_stack, b_stack, scales, row_slots)
-    else:
-        add_lora_grouped(y, x, a_stack, b_stack, scales, row_slots)
-
-
-@functools.cache
-def _have_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def add_lora_grouped(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    a_stack: torch.Tensor,
-    b_stack: torch.Tensor,
-    scales: torch.Tensor,
-    row_slots: torch.Tensor,
-) -> None:
-    """The torch path: one sort, then per slot with rows a matmul pair over those rows."""
-    num_slots = a_stack.shape[0]
-    slots = row_slots.to(torch.int64)
-    # Base rows (-1) count as group 0, so they sort first and are skipped in one step.
-    counts = torch.bincount(slots + 1, minlength=num_slots + 1).tolist()
-    if counts[0] == x.shape[0]:
-        return
-    order = slots.argsort(stable=True)
-    slot_scales = scales.tolist()
-    start = counts[0]
-    for slot in range(num_slots):
-        count = counts[slot + 1]
-        if not count:
-            continue
-        if count == x.shape[0]:  # one adapter for the whole batch: no gather, no scatter
-            y += F.linear(F.linear(x, a_stack[slot]), b_stack[slot]) * slot_scales[slot]
-            return
-        rows = order[start : start + count]
-        start += count
-        shrunk = F.linear(x.index_select(0, rows), a_stack[slot])
-        delta = F.linear(shrunk, b_stack[slot]) * slot_scales[slot]
-        y.index_add_(0, rows, delta)
+    batch = LoRABatch.plan(row_slots, scales)
+    if batch is not None:
+        batch.add(y, x, a_stack, b_stack)

@@ -5,18 +5,31 @@ Each adaptable (layer, target) has one `a_stack [max_loras, max_lora_rank, in]` 
 a captured CUDA graph keeps reading the current adapters. An adapter copied into slot s
 fills `[s, :rank]` of its A and `[s, :, :rank]` of its B and zeroes the rest of the slot,
 including every target it lacks, so `add_lora` over the full `max_lora_rank` adds exactly
-its update. Copies go through the stacks' device stream, after the steps queued before
-them, so overwriting a slot never races a step still reading it.
+its update. Under tensor parallelism a rank's stacks hold its shard (`TargetShard`: A's
+input columns for a row-parallel layer, B's output rows for a column-parallel one), sliced
+from the whole adapter at the copy. Copies go through the stacks' device stream, after the
+steps queued before them, so overwriting a slot never races a step still reading it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 import torch
 
 from gpu_worker.lora.adapter import LoRAAdapter, LoRAKey, TargetShapes
+
+
+@dataclass(frozen=True)
+class TargetShard:
+    """The part of one target's A and B a tensor-parallel rank holds (whole when None)."""
+
+    in_columns: slice | None = None
+    """A's columns: the row-parallel layer's input columns on this rank."""
+    out_rows: slice | None = None
+    """B's rows: the column-parallel part's output rows on this rank."""
 
 
 class TooManyLoRAsError(RuntimeError):
@@ -33,7 +46,10 @@ class LoRASlots:
         shapes: TargetShapes,
         device: torch.device,
         dtype: torch.dtype,
+        shards: Mapping[LoRAKey, TargetShard] | None = None,
     ) -> None:
+        """`shapes` are this rank's (in, out) per target, `shards` how they slice the
+        adapters' whole A and B (none: every target whole, as without TP)."""
         if max_loras < 1 or max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be positive")
         self.max_loras = max_loras
@@ -46,8 +62,11 @@ class LoRASlots:
             for key, (in_features, out_features) in shapes.items()
         }
         """(layer, target) -> (a_stack, b_stack)."""
+        self.shards: Mapping[LoRAKey, TargetShard] = dict(shards or {})
         self.scales = torch.zeros(max_loras, device=device, dtype=torch.float32)
         """Each slot's scale; an empty slot's is 0."""
+        self._targets_of_slot: list[frozenset[LoRAKey]] = [frozenset()] * max_loras
+        """The (layer, target) pairs each slot's adapter adapts (the rest are zeros)."""
         self._slot_of: OrderedDict[str, int] = OrderedDict()
         """Resident adapter -> its slot, least recently used first."""
         self.num_loads = 0
@@ -63,6 +82,11 @@ class LoRASlots:
     def slot_of(self, name: str) -> int | None:
         """The slot holding adapter `name`, or None."""
         return self._slot_of.get(name)
+
+    def targets_of(self, slots: Iterable[int]) -> frozenset[LoRAKey]:
+        """The (layer, target) pairs the adapters in `slots` adapt: a step's projections
+        outside them add nothing and are skipped."""
+        return frozenset().union(*(self._targets_of_slot[slot] for slot in slots))
 
     def activate(self, adapter: LoRAAdapter) -> int:
         """Copy `adapter` into a slot (its own if resident, since its weights may have been
@@ -133,14 +157,21 @@ class LoRASlots:
                 b_stack[slot].zero_()
                 continue
             a, b = pair
+            shard = self.shards.get(key)
+            if shard is not None and shard.in_columns is not None:
+                a = a[:, shard.in_columns]
+            if shard is not None and shard.out_rows is not None:
+                b = b[shard.out_rows]
             a_stack[slot, :rank].copy_(a)
             a_stack[slot, rank:].zero_()
             b_stack[slot, :, :rank].copy_(b)
             b_stack[slot, :, rank:].zero_()
         self.scales[slot] = adapter.scale
+        self._targets_of_slot[slot] = frozenset(adapter.weights)
 
     def _clear(self, slot: int) -> None:
         for a_stack, b_stack in self.stacks.values():
             a_stack[slot].zero_()
             b_stack[slot].zero_()
         self.scales[slot] = 0.0
+        self._targets_of_slot[slot] = frozenset()

@@ -48,8 +48,9 @@ def _inputs(rows: int, dtype: torch.dtype, seed: int = 1) -> tuple[torch.Tensor,
         [2],
         [1, 1, 1, 1],  # one adapter for the whole batch
         [-1, 2, -1],
+        [2, 0, 2, -1, 2, 0, 2],  # slot 1 absent inside the span: an empty padded group
     ],
-    ids=["mixed", "one-row", "one-adapter", "one-slot-among-base"],
+    ids=["mixed", "one-row", "one-adapter", "one-slot-among-base", "gap-in-span"],
 )
 def test_add_lora_matches_reference(slots: list[int]) -> None:
     a, b, scales = _adapters(torch.float32)

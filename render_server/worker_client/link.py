@@ -17,7 +17,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from render_server.worker_client.request_stream import RequestStream
-from render_server.worker_client.routing import WorkerLoad
+from render_server.worker_client.routing import AdapterPresence, WorkerLoad
 from shared.model_card import ModelCard
 from shared.protocol import MAX_BATCH, Abort, RenderToWorker, WorkerStats
 
@@ -79,11 +79,28 @@ class WorkerLink:
         """New requests (and failed-over ones) may go here."""
         return self.welcomed and self.alive and not self.draining
 
-    def load(self) -> WorkerLoad:
+    def load(self, lora_name: str | None = None) -> WorkerLoad:
+        """This worker as the router sees it for a request of `lora_name` (None: base)."""
         stats = self.stats
         if stats is None:
             return WorkerLoad(self.address, len(self.streams))
-        return WorkerLoad(self.address, len(self.streams), stats.num_running, stats.num_waiting)
+        adapter: AdapterPresence = "absent"
+        if lora_name is not None:
+            if lora_name in stats.lora_resident:
+                adapter = "resident"
+            elif lora_name in stats.lora_registered:
+                adapter = "registered"
+        return WorkerLoad(
+            self.address, len(self.streams), stats.num_running, stats.num_waiting, adapter
+        )
+
+    def in_flight_adapters(self) -> set[str]:
+        """The adapters of this render process's requests on the worker."""
+        return {
+            stream.request.lora_name
+            for stream in self.streams.values()
+            if stream.request.lora_name is not None
+        }
 
     def send(self, message: RenderToWorker) -> None:
         self.send_frame(self._encode(message))

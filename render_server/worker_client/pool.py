@@ -12,6 +12,11 @@ A worker that forgot this render server (it restarted, or reaped us while we wer
 answers a request with `Rejected("protocol")`: the pool greets it again and resends the
 request where it stopped, so a paused render server resumes its streams.
 
+LoRA adapters: the pool keeps the adapters every worker should hold (the render server's
+--lora-modules and what the runtime API loaded) and asks each worker that welcomes it to
+load them; `load_lora` / `unload_lora` run an operation on every worker and wait for each
+one's `LoRAResult`. A request for an adapter only goes to workers that register it.
+
 Routing policy lives in `render_server.worker_client.routing`; this module only gathers its inputs.
 Streams are in `render_server.worker_client.request_stream`, sockets in
 `render_server.worker_client.link`.
@@ -26,15 +31,20 @@ import contextlib
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 
 from render_server.worker_client.link import WorkerLink
+from render_server.worker_client.lora import LoRAModule, LoRAOutcome
 from render_server.worker_client.request_stream import RequestStream, WorkerError, WorkerErrorCode
 from render_server.worker_client.routing import (
     PrefixAffinity,
     RoutingMode,
+    WorkerLoad,
+    adapter_holders,
     affinity_hashes,
     choose_worker,
     continuation,
@@ -48,8 +58,11 @@ from shared.protocol import (
     Generate,
     Heartbeat,
     Hello,
+    LoadLoRA,
+    LoRAResult,
     ProtocolError,
     Rejected,
+    UnloadLoRA,
     Welcome,
     WorkerMessageDecoder,
     WorkerStats,
@@ -85,6 +98,20 @@ class WorkerStatus:
     """Its card does not match our tokenizer (or model id); it is never routed to."""
     draining: bool = False
     """Removed from the pool's addresses: no new requests; closed once its streams end."""
+    in_flight_adapters: frozenset[str] = field(default_factory=frozenset)
+    """The LoRA adapters of this process's requests on it."""
+
+
+@dataclass
+class _PendingLoRAOp:
+    """A LoadLoRA or UnloadLoRA sent to one worker, until its LoRAResult arrives."""
+
+    link: WorkerLink
+    lora_name: str
+    action: str
+    """"load" or "unload", for the log."""
+    answer: asyncio.Future[LoRAOutcome] | None
+    """Who waits for it; None for the loads a welcome triggers, which are only logged."""
 
 
 class WorkerPool:
@@ -108,6 +135,7 @@ class WorkerPool:
         heartbeat_timeout_s: float = 3.0,
         curve: CurveKeys | None = None,
         routing: RoutingMode = "prefix",
+        lora_modules: Sequence[LoRAModule] = (),
     ) -> None:
         # `addresses` may be empty when discovery supplies them later (set_addresses).
         if heartbeat_timeout_s <= heartbeat_interval_s:
@@ -141,6 +169,10 @@ class WorkerPool:
         self._context: zmq.Context | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._monitor: asyncio.Task[None] | None = None
+        self._lora_paths: dict[str, str] = {module.name: module.path for module in lora_modules}
+        """Adapters every worker should hold, by name: loaded on each worker that welcomes
+        us (--lora-modules, then every runtime load until its unload)."""
+        self._lora_ops: dict[str, _PendingLoRAOp] = {}
 
     @property
     def model_card(self) -> ModelCard | None:
@@ -232,6 +264,7 @@ class WorkerPool:
                 outstanding=len(link.streams),
                 refused=link.refused,
                 draining=link.draining,
+                in_flight_adapters=frozenset(link.in_flight_adapters()),
             )
             for link in self._links
         ]
@@ -253,15 +286,14 @@ class WorkerPool:
         if any(request_id in link.streams for link in self._links):
             raise ValueError(f"request {request_id!r} is already in flight")
         card = self._model_card
+        links, loads = self._servers_of(request, links)
         if self.routing == "round_robin":
             hashes = []  # blind to prefixes: no hashing cost, no affinity map
             index = round_robin(len(links), self._rotation)
         else:
             hashes = affinity_hashes(request, card.block_size) if card is not None else []
             preferred, _ = self._affinity.longest_match(hashes)
-            index = choose_worker(
-                [link.load() for link in links], preferred=preferred, rotation=self._rotation
-            )
+            index = choose_worker(loads, preferred=preferred, rotation=self._rotation)
         self._rotation += 1
         link = links[index]
         if hashes:
@@ -270,6 +302,168 @@ class WorkerPool:
         link.streams[request_id] = stream
         link.send(request)
         return stream
+
+    def _servers_of(
+        self, request: Generate, links: list[WorkerLink]
+    ) -> tuple[list[WorkerLink], list[WorkerLoad]]:
+        """The links among `links` that `request` may go to, with their loads: for an
+        adapter, the workers that register it (resident ones first, unless round robin)."""
+        loads = [link.load(request.lora_name) for link in links]
+        if request.lora_name is None:
+            return links, loads
+        keep = adapter_holders(loads, resident_first=self.routing != "round_robin")
+        return [links[i] for i in keep], [loads[i] for i in keep]
+
+    # ---- LoRA adapters ------------------------------------------------------------------
+
+    def lora_adapters(self) -> dict[str, str | None]:
+        """Every adapter a request may name, with its path where this pool knows it: the
+        ones it loads on every worker, and any a connected worker registers."""
+        adapters: dict[str, str | None] = dict(self._lora_paths)
+        for link in self._links:
+            if link.welcomed and link.stats is not None:
+                for name in link.stats.lora_registered:
+                    adapters.setdefault(name, None)
+        return adapters
+
+    async def load_lora(self, name: str, path: str, timeout_s: float) -> list[LoRAOutcome]:
+        """Load adapter `name` from `path` (on the workers' disks) on every live worker.
+
+        All or nothing: when any worker fails (or does not answer within `timeout_s`),
+        the ones that loaded it unload it again, and the outcomes say why. On success every
+        worker that connects later loads it too.
+        """
+        outcomes = await self._run_lora_op(
+            lambda op_id: LoadLoRA(op_id=op_id, lora_name=name, lora_path=path),
+            name,
+            "load",
+            timeout_s,
+        )
+        if outcomes and all(outcome.ok for outcome in outcomes):
+            self._lora_paths[name] = path
+            return outcomes
+        loaded = {outcome.address for outcome in outcomes if outcome.ok}
+        if loaded:
+            logger.warning(
+                "adapter %r did not load on every worker: unloading it from %s",
+                name,
+                ", ".join(sorted(loaded)),
+            )
+            await self._run_lora_op(
+                lambda op_id: UnloadLoRA(op_id=op_id, lora_name=name),
+                name,
+                "unload",
+                timeout_s,
+                only=loaded,
+            )
+        return outcomes
+
+    async def unload_lora(self, name: str, timeout_s: float) -> list[LoRAOutcome]:
+        """Unload adapter `name` from every live worker. Once each has unloaded it or never
+        had it (404), workers that connect later no longer load it."""
+        outcomes = await self._run_lora_op(
+            lambda op_id: UnloadLoRA(op_id=op_id, lora_name=name), name, "unload", timeout_s
+        )
+        if all(outcome.ok or outcome.status == 404 for outcome in outcomes):
+            self._lora_paths.pop(name, None)
+        return outcomes
+
+    async def _run_lora_op(
+        self,
+        make: Callable[[str], LoadLoRA | UnloadLoRA],
+        name: str,
+        action: str,
+        timeout_s: float,
+        only: set[str] | None = None,
+    ) -> list[LoRAOutcome]:
+        """Send `make(op_id)` to every routable worker (or those in `only`) and wait for
+        their answers; a worker silent past `timeout_s` counts as a 504."""
+        assert self._loop is not None, "the pool is not started"
+        links = [
+            link
+            for link in self._links
+            if link.is_routable and (only is None or link.address in only)
+        ]
+        answers: list[asyncio.Future[LoRAOutcome]] = []
+        op_ids = []
+        for link in links:
+            op_id = uuid.uuid4().hex
+            answer: asyncio.Future[LoRAOutcome] = self._loop.create_future()
+            self._lora_ops[op_id] = _PendingLoRAOp(link, name, action, answer)
+            op_ids.append(op_id)
+            answers.append(answer)
+            link.send(make(op_id))
+        if answers:
+            await asyncio.wait(answers, timeout=timeout_s)
+        outcomes = []
+        for link, op_id, answer in zip(links, op_ids, answers, strict=True):
+            self._lora_ops.pop(op_id, None)
+            if answer.done():
+                outcomes.append(answer.result())
+            else:
+                answer.cancel()
+                message = f"worker {link.address} did not answer within {timeout_s:g}s"
+                outcomes.append(LoRAOutcome(link.address, False, 504, message))
+        return outcomes
+
+    def _on_lora_result(self, link: WorkerLink, result: LoRAResult) -> None:
+        pending = self._lora_ops.pop(result.op_id, None)
+        if pending is None or pending.link is not link:
+            return  # answered after its deadline, or forged
+        if result.ok:
+            self._note_lora_change(link, pending.lora_name, loaded=pending.action == "load")
+        outcome = LoRAOutcome(link.address, result.ok, result.status, result.message)
+        if pending.answer is not None:
+            if not pending.answer.done():
+                pending.answer.set_result(outcome)
+        elif result.ok:
+            logger.info("worker %s loaded adapter %r", link.address, pending.lora_name)
+        elif result.status != 409:  # 409: it holds that name already (its own flags)
+            logger.error(
+                "worker %s could not load adapter %r from %r (%d): %s",
+                link.address,
+                pending.lora_name,
+                self._lora_paths.get(pending.lora_name),
+                result.status,
+                result.message,
+            )
+
+    def _note_lora_change(self, link: WorkerLink, name: str, *, loaded: bool) -> None:
+        """Apply a load or unload to what the worker's last heartbeat said, so routing and
+        /v1/models see it before the next heartbeat does."""
+        stats = link.stats
+        if stats is None:
+            return
+        registered = [other for other in stats.lora_registered if other != name]
+        resident = [other for other in stats.lora_resident if other != name]
+        if loaded:
+            registered.append(name)
+        link.stats = msgspec.structs.replace(
+            stats, lora_registered=registered, lora_resident=resident
+        )
+
+    def _load_adapters_on(self, link: WorkerLink, card: ModelCard) -> None:
+        """Ask a worker that just welcomed us to load every adapter the pool keeps."""
+        if not self._lora_paths:
+            return
+        if card.max_loras == 0:
+            logger.error(
+                "worker %s runs without --enable-lora: adapters %s cannot be served there",
+                link.address,
+                ", ".join(sorted(self._lora_paths)),
+            )
+            return
+        for name, path in self._lora_paths.items():
+            op_id = uuid.uuid4().hex
+            self._lora_ops[op_id] = _PendingLoRAOp(link, name, "load", None)
+            link.send(LoadLoRA(op_id=op_id, lora_name=name, lora_path=path))
+
+    def _fail_lora_ops(self, link: WorkerLink, message: str) -> None:
+        for op_id, pending in list(self._lora_ops.items()):
+            if pending.link is link:
+                del self._lora_ops[op_id]
+                if pending.answer is not None and not pending.answer.done():
+                    pending.answer.set_result(LoRAOutcome(link.address, False, 503, message))
 
     # ---- incoming ---------------------------------------------------------------------
 
@@ -294,6 +488,8 @@ class WorkerPool:
             self._on_rejected(link, message)
         elif isinstance(message, Welcome):
             self._on_welcome(link, message)
+        elif isinstance(message, LoRAResult):
+            self._on_lora_result(link, message)
         if link.welcomed and not link.alive:
             link.alive = True
             logger.warning("worker %s is back", link.address)
@@ -365,6 +561,7 @@ class WorkerPool:
         link.send(ClientHeartbeat(sent_at=time.time()))
         if self._model_card is None:
             self._model_card = card
+        self._load_adapters_on(link, card)
         self._any_welcome.set()
 
     # ---- liveness ---------------------------------------------------------------------
@@ -444,6 +641,7 @@ class WorkerPool:
 
     def _lose(self, link: WorkerLink, reason: str | None = None) -> None:
         link.alive = False
+        self._fail_lora_ops(link, f"worker {link.address} stopped responding")
         silent = time.monotonic() - link.last_seen
         streams = list(link.streams.values())
         moved = 0
@@ -468,7 +666,8 @@ class WorkerPool:
         links = [link for link in self._links if link is not exclude and link.is_routable]
         if not links:
             return False
-        target = links[choose_worker([candidate.load() for candidate in links])]
+        links, loads = self._servers_of(stream.request, links)
+        target = links[choose_worker(loads)]
         stream.move_to(target)
         target.streams[stream.request_id] = stream
         target.send(continuation(stream.request, stream.output_token_ids))

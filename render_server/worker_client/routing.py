@@ -4,11 +4,13 @@ Pure functions and one small LRU map, no sockets, so the policy is tested in
 milliseconds (tests/unit/test_routing.py). `render_server.worker_client.pool` feeds them each
 worker's load and the prompt's prefix block hashes.
 
-The policy: a worker whose KV cache probably holds the longest prefix of the prompt is
-preferred, because a prefix hit saves the whole prefill of those tokens; but not when it
-is busier than the least-loaded worker by more than `margin`, because queueing behind a
-hot worker costs more than recomputing a prefix. `--routing round_robin` swaps it for
-plain rotation, so a benchmark can measure what the affinity is worth.
+The policy: a request for a LoRA adapter goes to a worker that can serve it, preferring
+one that holds it resident in a slot (`adapter_holders`). Among those, a worker whose KV
+cache probably holds the longest prefix of the prompt is preferred, because a prefix hit
+saves the whole prefill of those tokens; but not when it is busier than the least-loaded
+worker by more than `margin`, because queueing behind a hot worker costs more than
+recomputing a prefix. `--routing round_robin` swaps it for plain rotation (among the
+adapter's holders), so a benchmark can measure what the affinity is worth.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ AFFINITY_CAPACITY = 200_000
 AFFINITY_MARGIN = 4
 """How much busier than the least-loaded worker the prefix holder may be and still win."""
 
+AdapterPresence = Literal["absent", "registered", "resident"]
+"""What a worker has of a request's adapter, from its last heartbeat: nothing, the adapter
+registered (loadable into a slot from host memory), or resident in a slot."""
+
 RoutingMode = Literal["prefix", "round_robin"]
 """`prefix`: least load with prefix-cache affinity (`choose_worker`, the default).
 `round_robin`: each live worker in turn, blind to load and prefixes; the baseline a
@@ -48,6 +54,8 @@ class WorkerLoad:
     running: int = 0
     """From the worker's last heartbeat (all render processes together)."""
     waiting: int = 0
+    adapter: AdapterPresence = "absent"
+    """Of the request's LoRA adapter; "absent" for a base-model request."""
 
     @property
     def load(self) -> int:
@@ -83,6 +91,29 @@ def choose_worker(
             if worker.key == preferred:
                 return i if worker.load <= least + margin else best
     return best
+
+
+def adapter_holders(
+    candidates: Sequence[WorkerLoad], *, margin: int = AFFINITY_MARGIN, resident_first: bool = True
+) -> list[int]:
+    """Indices in `candidates` that a request for a LoRA adapter should choose among.
+
+    Only workers that register the adapter can serve it. Among them the ones holding it
+    resident win (no slot fill, no eviction) unless the least loaded of those is busier
+    than the least loaded holder by more than `margin`: filling a slot is a copy from host
+    memory, cheaper than queueing. `resident_first=False` (round robin) keeps every
+    holder. When no candidate registers it (a load still on its way), every candidate:
+    the worker answers lora_not_found if it cannot serve it.
+    """
+    registered = [i for i, worker in enumerate(candidates) if worker.adapter != "absent"]
+    if not registered:
+        return list(range(len(candidates)))
+    resident = [i for i in registered if candidates[i].adapter == "resident"]
+    if not resident_first or not resident:
+        return registered
+    least_resident = min(candidates[i].load for i in resident)
+    least_registered = min(candidates[i].load for i in registered)
+    return resident if least_resident <= least_registered + margin else registered
 
 
 def round_robin(count: int, rotation: int) -> int:
@@ -127,12 +158,14 @@ class PrefixAffinity:
 
 
 def affinity_hashes(request: Generate, block_size: int) -> list[BlockHash]:
-    """The prefix block hashes routing uses for a request (its first blocks only)."""
+    """The prefix block hashes routing uses for a request (its first blocks only); each
+    adapter's prompts hash apart from the base model's, as the workers' caches keep them."""
     return prefix_block_hashes(
         request.prompt_token_ids,
         block_size=block_size,
         cache_salt=request.cache_salt,
         max_blocks=AFFINITY_MAX_BLOCKS,
+        lora_name=request.lora_name,
     )
 
 

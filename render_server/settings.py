@@ -17,6 +17,7 @@ from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from render_server.worker_client.discovery import parse_host_port
+from render_server.worker_client.lora import LoRAModule, parse_lora_module
 from render_server.worker_client.routing import RoutingMode
 from shared.cli_fields import NOT_A_FLAG, Flag
 from shared.model_source import DEFAULT_MODEL
@@ -133,6 +134,20 @@ class RenderSettings(BaseSettings):
     """per-key: salt every request's prefix-cache hashes with a digest of its API key, so
     tenants never share cached blocks (and cannot time each other's prompts), at the cost
     of prefix hits across keys; none: any request may reuse any cached prefix."""
+
+    lora_modules: Annotated[
+        StrList, Flag(metavar="NAME=PATH", section="LoRA adapters (the workers need --enable-lora)")
+    ] = Field(default_factory=list)
+    """A LoRA adapter clients select with `model: NAME`: `NAME=PATH` or vLLM's JSON form
+    {"name": ..., "path": ..., "base_model_name": ...}; repeatable. PATH is a PEFT
+    directory on the workers' disks, inside their --lora-root: every worker that connects
+    is asked to load it."""
+    allow_runtime_lora_updating: bool = False
+    """Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which load and unload
+    adapters on every connected worker (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING); without
+    it those routes do not exist."""
+    lora_op_timeout_s: float = Field(default=60.0, gt=0)
+    """How long a runtime load or unload waits for every worker's answer."""
 
     enable_auto_tool_choice: Annotated[bool, Flag(section="tool calling and reasoning")] = False
     """Let the model decide when to call tools (tool_choice "auto") with the tool call
@@ -270,6 +285,35 @@ class RenderSettings(BaseSettings):
     @classmethod
     def _split(cls, value: object) -> object:
         return _split_list(value)
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _split_lora_modules(cls, value: object) -> object:
+        # JSON modules hold commas, so the environment's form is a JSON list (of strings or
+        # objects), one JSON object, or comma-separated NAME=PATH pairs.
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("{"):
+                return [text]
+            if not text.startswith("["):
+                return _split_list(text)
+            value = json.loads(text)
+        if isinstance(value, list):
+            return [item if isinstance(item, str) else json.dumps(item) for item in value]
+        return value
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _valid_lora_modules(cls, modules: list[str]) -> list[str]:
+        names = [parse_lora_module(module).name for module in modules]  # a ValueError says why
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"LoRA adapter names given twice: {', '.join(repeated)}")
+        return modules
+
+    def lora_module_paths(self) -> list[LoRAModule]:
+        """The --lora-modules, parsed."""
+        return [parse_lora_module(module) for module in self.lora_modules]
 
     @field_validator("api_keys")
     @classmethod

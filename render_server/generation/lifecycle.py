@@ -225,6 +225,7 @@ class Generation:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
         worker_request_id: str | None = None,
         arrival_time: float | None = None,
         constraint: Constraint | None = None,
@@ -237,6 +238,8 @@ class Generation:
         self.request_id = request_id
         self.priority = priority
         self.cache_salt = cache_salt
+        self.lora_name = lora_name
+        """The LoRA adapter every choice runs with; None for the base model."""
         self.constraint = constraint
         """Structured output every choice is held to (validated by
         render_server.generation.structured)."""
@@ -286,6 +289,7 @@ class Generation:
                             sampling=choice.spec.sampling,
                             priority=self.priority,
                             cache_salt=self.cache_salt,
+                            lora_name=self.lora_name,
                             arrival_time=time.time(),
                             constraint=self.constraint,
                         )

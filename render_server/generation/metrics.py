@@ -167,6 +167,28 @@ class _WorkerCollector(Collector):
             "Prefix cache hits, in terms of number of cached tokens.",
             labels=vllm_labels,
         )
+        # vLLM's adapter info gauge (its value the time of the figures): the adapters of
+        # our requests on the worker, running where resident in a slot, else waiting for
+        # one, and the worker's slot count. Only for workers with LoRA on.
+        lora_info = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters", "worker"],
+        )
+        lora_resident = GaugeMetricFamily(
+            "duet_worker_lora_resident", "LoRA adapters in the worker's slots.", labels=labels
+        )
+        lora_registered = GaugeMetricFamily(
+            "duet_worker_lora_registered", "LoRA adapters the worker can serve.", labels=labels
+        )
+        lora_loads = CounterMetricFamily(
+            "duet_worker_lora_loads", "LoRA adapters filled into a slot.", labels=labels
+        )
+        lora_evictions = CounterMetricFamily(
+            "duet_worker_lora_evictions",
+            "LoRA adapters evicted from a slot to make room for another.",
+            labels=labels,
+        )
         for status in self._statuses():
             key = [status.address]
             alive.add_metric(key, 1.0 if status.alive else 0.0)
@@ -186,8 +208,27 @@ class _WorkerCollector(Collector):
             vllm_kv_usage.add_metric(vllm_key, usage)
             queries.add_metric(vllm_key, stats.prefix_cache_queries)
             hits.add_metric(vllm_key, stats.prefix_cache_hits)
+            card = status.model_card
+            if card is None or card.max_loras == 0:
+                continue
+            resident = set(stats.lora_resident)
+            in_flight = status.in_flight_adapters
+            lora_info.add_metric(
+                [
+                    str(card.max_loras),
+                    ",".join(sorted(in_flight & resident)),
+                    ",".join(sorted(in_flight - resident)),
+                    status.address,
+                ],
+                status.last_heartbeat,
+            )
+            lora_resident.add_metric(key, len(stats.lora_resident))
+            lora_registered.add_metric(key, len(stats.lora_registered))
+            lora_loads.add_metric(key, stats.lora_loads)
+            lora_evictions.add_metric(key, stats.lora_evictions)
         yield from (alive, running, waiting, kv_usage)
         yield from (vllm_running, vllm_waiting, vllm_kv_usage, queries, hits)
+        yield from (lora_info, lora_resident, lora_registered, lora_loads, lora_evictions)
 
 
 class GenerationMetrics:

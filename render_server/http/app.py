@@ -15,7 +15,7 @@ from fastapi import FastAPI
 
 from render_server.generation.metrics import GenerationMetrics
 from render_server.http.admission import Admission, AdmissionMiddleware
-from render_server.http.api import ROUTERS
+from render_server.http.api import ROUTERS, lora
 from render_server.http.api.deps import RenderState
 from render_server.http.api.tokenize import TokenizeFastPath
 from render_server.http.errors import install_exception_handlers
@@ -94,6 +94,11 @@ def build_state(settings: RenderSettings) -> RenderState:
             defaults.tool_call_parser,
             settings.reasoning_parser,
         )
+    lora_modules = tuple(settings.lora_module_paths())
+    if any(module.name == source.name for module in lora_modules):
+        logger.warning(
+            "the LoRA adapter named %r is unreachable: `model` names the served model", source.name
+        )
     metrics = RenderMetrics(settings.metrics_multiprocess_dir)
     workers = discovery = None
     if not settings.render_only and (settings.workers or settings.worker_dns):
@@ -104,6 +109,7 @@ def build_state(settings: RenderSettings) -> RenderState:
             heartbeat_timeout_s=settings.heartbeat_timeout_s,
             curve=render_keys(settings.zmq_curve_dir) if settings.zmq_curve_dir else None,
             routing=settings.routing,
+            lora_modules=lora_modules,
         )
         if settings.worker_dns:
             discovery = WorkerDiscovery(
@@ -124,6 +130,7 @@ def build_state(settings: RenderSettings) -> RenderState:
         metrics=metrics,
         token_text=TokenText(tokenizer),
         family_tool_parser=defaults.tool_call_parser,
+        lora_modules=lora_modules,
         generation_metrics=GenerationMetrics(
             metrics, workers.statuses if workers is not None else None, model_name=source.name
         ),
@@ -185,6 +192,12 @@ def create_app(settings: RenderSettings, state: RenderState | None = None) -> Fa
     app.state.render = state
     for router in ROUTERS:
         app.include_router(router)
+    if settings.allow_runtime_lora_updating:
+        logger.warning(
+            "runtime LoRA loading and unloading is on: any client may load adapters from "
+            "the workers' --lora-root"
+        )
+        app.include_router(lora.router)
     install_exception_handlers(app)
 
     # add_middleware puts each new layer outside the previous ones, so this reads innermost

@@ -129,6 +129,7 @@ def new_generation(
         specs,
         priority=body.priority,
         cache_salt=body.cache_salt,
+        lora_name=state.lora_name_of(body.model),
         worker_request_id=worker_request_id,
         constraint=constraint,
         recorder=state.generation_metrics,

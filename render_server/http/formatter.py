@@ -72,7 +72,7 @@ class OpenAIFormatter(ResponseFormatter, Generic[ChunkChoiceT, ChoiceT]):
     envelopes and the choices."""
 
     def __init__(self, state: RenderState, body: SamplingFields) -> None:
-        self.model = state.model_id
+        self.model = state.served_name(body.model)
         self.system_fingerprint = state.system_fingerprint
         self.created = int(time.time())
         options = body.stream_options

@@ -55,8 +55,11 @@ def new_request_id(prefix: str, requested: str | None = None) -> str:
 def worker_error_to_api(error: WorkerError) -> ApiError:
     """The HTTP answer to a request its workers could not serve."""
     if error.code == "rejected":
-        if error.reject_code in ("invalid_request", "too_long"):
+        if error.reject_code in ("invalid_request", "too_long", "lora_disabled"):
             return ApiError(400, error.message, code=error.reject_code)
+        if error.reject_code == "lora_not_found":
+            # Known here but not to the worker (unloaded meanwhile, or its load failed).
+            return ApiError(404, error.message, param="model", code="model_not_found")
         if error.reject_code == "queue_full":
             return ApiError(
                 503,

@@ -25,8 +25,9 @@ class ErrorInfo(BaseModel):
     """Error class: `invalid_request_error`, `authentication_error`, `server_error`, ..."""
     param: str | None = None
     """Dotted path of the offending request field (e.g. `messages.0.role`), if any."""
-    code: str | None = None
-    """Machine-readable code (e.g. `model_not_found`, `invalid_api_key`), if any."""
+    code: str | int | None = None
+    """Machine-readable code (e.g. `model_not_found`, `invalid_api_key`), if any; vLLM's
+    LoRA routes put the HTTP status here."""
 
 
 class ErrorResponse(BaseModel):
@@ -45,7 +46,7 @@ class ApiError(Exception):
         *,
         type: str = INVALID_REQUEST,
         param: str | None = None,
-        code: str | None = None,
+        code: str | int | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)

@@ -16,9 +16,11 @@ class ModelInfo(BaseModel):
     created: int
     """Unix time the server started serving it."""
     owned_by: str = "duet"
-    root: str
-    """The underlying model's own name (before --served-model-name)."""
+    root: str | None
+    """The underlying model's own name (before --served-model-name); for a LoRA adapter
+    its path, when known."""
     parent: str | None = None
+    """For a LoRA adapter, the served model it applies to."""
     max_model_len: int
 
 

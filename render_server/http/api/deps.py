@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from render_server.templating.token_text import TokenText
     from render_server.templating.tokenizer import Tokenizer
     from render_server.worker_client.discovery import WorkerDiscovery
+    from render_server.worker_client.lora import LoRAModule
     from render_server.worker_client.pool import WorkerPool
 
 
@@ -66,6 +67,8 @@ class RenderState:
     family_tool_parser: str | None = None
     """The model family's tool-call parser (`family_defaults`), for when neither
     --tool-call-parser nor the chat template names one."""
+    lora_modules: tuple[LoRAModule, ...] = ()
+    """The adapters of --lora-modules (parsed once)."""
 
     @cached_property
     def system_fingerprint(self) -> str:
@@ -114,11 +117,32 @@ class RenderState:
             family_tool_parser=self.family_tool_parser,
         )
 
+    def lora_adapters(self) -> dict[str, str | None]:
+        """Every LoRA adapter a request may name, with its path where known: --lora-modules,
+        runtime loads, and whatever a connected worker registers."""
+        if self.workers is not None:  # it started from --lora-modules and keeps them current
+            return self.workers.lora_adapters()
+        return {module.name: module.path for module in self.lora_modules}
+
+    def lora_name_of(self, requested: str | None) -> str | None:
+        """The adapter a request's `model` selects: None for the served model (or no
+        `model`), the adapter's name for an adapter; else the OpenAI 404 ("" is a name,
+        of no model)."""
+        if requested is None or requested == self.model_id:
+            return None
+        if requested in self.lora_adapters():
+            return requested
+        raise model_not_found(requested)
+
     def check_model(self, requested: str | None) -> None:
-        """Raise the OpenAI 404 unless `requested` is absent or names the served model ("" is
-        a name, of no model)."""
-        if requested is not None and requested != self.model_id:
-            raise model_not_found(requested)
+        """Raise the OpenAI 404 unless `requested` is absent or names the served model or
+        one of its adapters."""
+        self.lora_name_of(requested)
+
+    def served_name(self, requested: str | None) -> str:
+        """The `model` an answer reports: the adapter's name for a request that selected
+        one (as vLLM does), else the served model's."""
+        return self.lora_name_of(requested) or self.model_id
 
 
 # Dependencies are `async def` on purpose: FastAPI runs a plain `def` dependency on the

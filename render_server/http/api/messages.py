@@ -218,13 +218,18 @@ async def create_message(body: MessagesRequest, request: Request, state: StateDe
         prompt_param="messages",
         constraint=prompt.constraint,
     )
-    formatter = messages_formatter(state, prompt.plan, prompt.thinking)
+    formatter = messages_formatter(
+        state, state.served_name(chat.model), prompt.plan, prompt.thinking
+    )
     return await respond(request, generation, formatter, stream=chat.stream)
 
 
-def messages_formatter(state: RenderState, plan: ToolPlan, thinking: bool) -> MessagesFormatter:
+def messages_formatter(
+    state: RenderState, model: str, plan: ToolPlan, thinking: bool
+) -> MessagesFormatter:
+    """The Messages answer's formatter; `model` is the name it reports."""
     processor = ChoiceProcessor(plan, state.settings.reasoning_parser, enable_thinking=thinking)
-    return MessagesFormatter(state.model_id, processor)
+    return MessagesFormatter(model, processor)
 
 
 @router.post("/v1/messages/count_tokens", responses=ERRORS)

@@ -96,7 +96,8 @@ def generate_request(
         # Already truncated (truncate_prompt_tokens) and with its special tokens.
         "token_ids": spec.prompt_token_ids,
         "sampling_params": _sampling_params(body, spec, constraint),
-        "model": state.model_id,
+        # An adapter's name selects it again in /inference/v1/generate (vLLM's way).
+        "model": state.served_name(body.model),
         "stream": body.stream,
         "stream_options": None if options is None else options.model_dump(exclude_unset=True),
         # The client's salt: the generate endpoint mixes in the tenant's as chat does.

@@ -224,7 +224,7 @@ def response_template(
         id=response_id,
         created_at=created,
         status="in_progress",
-        model=state.model_id,
+        model=state.served_name(body.model),
         instructions=body.instructions,
         tools=[tool.model_dump() for tool in body.tools or ()],
         tool_choice=body.tool_choice or "auto",

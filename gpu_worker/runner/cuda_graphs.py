@@ -20,6 +20,12 @@ non-blocking copy; then the writes are applied to the runner's persistent block 
 its rows gathered into the static table (`gpu_worker.runner.block_table`): at most three
 launches before the replay, where per-tensor copies and padding fills took eleven.
 
+With LoRA on (`set_lora_rows`, the model's `LoRAState.set_rows`), each row's adapter slot is
+one more staged input (-1 in padding rows, which then add nothing) and the forward plans
+the adapters over that static buffer, so a graph captures the LoRA kernels reading it
+(their decode shape reads the slots on the device and never syncs) and replays whatever
+adapters the step's rows name; the slots' weight stacks are static too.
+
 Only pure-decode steps on the Triton backend replay graphs; prefill chunks and mixed steps
 run eagerly (their token counts vary too much to bucket). With `capture=False` the runner
 runs the same static-buffer path without capturing: the CPU tests drive the padding logic
@@ -119,6 +125,7 @@ class DecodeGraphRunner:
         block_size: int,
         device: torch.device,
         capture: bool,
+        set_lora_rows: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         if capture and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device; use capture=False elsewhere")
@@ -136,19 +143,20 @@ class DecodeGraphRunner:
         """Block-table writes a graph step carries; a step with more (a long table given
         its row in a one-token chunk, which is rare) runs eagerly."""
         i64, i32 = torch.int64, torch.int32
-        self.staged = StagedInputs(
-            {
-                "input_ids": (i64, n),
-                "positions": (i64, n),
-                "slot_mapping": (i64, n),
-                "rows": (i64, n),
-                "write_index": (i64, self.max_table_writes),
-                "seq_lens": (i32, n),
-                "context_lens": (i32, n),
-                "write_values": (i32, self.max_table_writes),
-            },
-            device,
-        )
+        fields = {
+            "input_ids": (i64, n),
+            "positions": (i64, n),
+            "slot_mapping": (i64, n),
+            "rows": (i64, n),
+            "write_index": (i64, self.max_table_writes),
+            "seq_lens": (i32, n),
+            "context_lens": (i32, n),
+            "write_values": (i32, self.max_table_writes),
+        }
+        self.set_lora_rows = set_lora_rows
+        if set_lora_rows is not None:
+            fields["lora_slots"] = (i32, n)
+        self.staged = StagedInputs(fields, device)
         static = self.staged.device
         self.input_ids = static["input_ids"]
         self.positions = static["positions"]
@@ -159,6 +167,11 @@ class DecodeGraphRunner:
         # host twin each step's copy brings over.
         self.slot_mapping.fill_(-1)
         self.staged.host["slot_mapping"].fill(-1)
+        self.lora_slots: torch.Tensor | None = static.get("lora_slots")
+        """Each row's adapter slot (-1: none), when LoRA is on."""
+        if self.lora_slots is not None:
+            self.lora_slots.fill_(-1)
+            self.staged.host["lora_slots"].fill(-1)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=i32, device=device)
         # One query per sequence, always: query_start_loc is 0..n and never changes.
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
@@ -226,12 +239,17 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def run(
-        self, input_ids: np.ndarray, layout: BatchLayout, table: BlockTableStep
+        self,
+        input_ids: np.ndarray,
+        layout: BatchLayout,
+        table: BlockTableStep,
+        lora_slots: np.ndarray | None = None,
     ) -> torch.Tensor:
         """One decode step of `layout.num_seqs` sequences -> hidden states [num_seqs, hidden].
 
         The caller checks `can_run` first; inputs are the step's host arrays from the model
-        runner (`table` from its `block_table`): written into the staged buffer with the
+        runner (`table` from its `block_table`, `lora_slots` each row's adapter slot with
+        LoRA on, None for a base-only step): written into the staged buffer with the
         padding rows, moved in one copy, then the table's writes and rows applied.
         """
         if not self.can_run(layout, table):
@@ -254,6 +272,11 @@ class DecodeGraphRunner:
         ):
             host[name][:num_seqs] = values
             host[name][num_seqs:bucket] = pad
+        if self.lora_slots is not None:
+            host["lora_slots"][:num_seqs] = -1 if lora_slots is None else lora_slots
+            host["lora_slots"][num_seqs:bucket] = -1
+        elif lora_slots is not None:
+            raise ValueError("this graph runner was built without LoRA")
         num_writes = table.num_writes
         host["write_index"][:num_writes] = table.index
         host["write_values"][:num_writes] = table.values
@@ -285,12 +308,15 @@ class DecodeGraphRunner:
         )
         input_ids = self.input_ids[:bucket]
         positions = self.positions[:bucket]
+        lora_slots = None if self.lora_slots is None else self.lora_slots[:bucket]
 
         @torch.inference_mode()
         def forward() -> torch.Tensor:
             # Host work only (none for Triton's kernels), so a captured graph holds nothing
             # of it; eager runs (`capture=False`) plan every step, like the model runner.
             self.attn_backend.plan(meta, self.kv_caches[0])
+            if self.set_lora_rows is not None and lora_slots is not None:
+                self.set_lora_rows(lora_slots)
             return self.model(input_ids, positions, meta, self.kv_caches)
 
         return forward

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from gpu_worker.attention.metadata import build_attention_metadata
+from gpu_worker.lora.adapter import LoRAAdapter
+from gpu_worker.lora.layers import attach_lora, lora_targets
+from gpu_worker.lora.slots import LoRASlots
+from gpu_worker.runner.block_table import BlockTable
+from gpu_worker.runner.cuda_graphs import DecodeGraphRunner
 from kernels.lora import BGMV_MAX_ROWS, SGMV_BLOCK_M, lora_add, lora_add_ref, slot_blocks
-from tests.kernels.conftest import random_tensor
+from tests.kernels.conftest import interpreter_only, random_tensor
+from tests.kernels.test_cuda_graphs import BLOCK_SIZE, _decode_step, _model_and_caches
 
 # The kernel keeps `scale * t @ B.T + y` in fp32 and rounds once; the reference rounds
 # t, the product and the sum separately in fp16/bf16.
@@ -101,3 +109,69 @@ def test_slot_blocks_give_each_block_one_slot_and_skip_base_rows():
             assert all(row_slots[i] == slot for i in real)
             seen += real
     assert sorted(seen) == [0, 2, 3, 5, 6]
+
+
+def _random_adapter(name: str, shapes: dict[tuple[int, str], tuple[int, int]], seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    rank = 8
+    weights = {
+        key: (torch.randn(rank, i, generator=gen) / i**0.5, torch.randn(o, rank, generator=gen))
+        for key, (i, o) in shapes.items()
+    }
+    targets = frozenset(target for _, target in weights)
+    return LoRAAdapter(name, rank, 0.5, targets, weights)
+
+
+@interpreter_only
+def test_decode_graph_path_reads_the_adapters_from_its_static_buffer(tiny_model_dir) -> None:
+    """The graph runner's static-buffer path with LoRA on, its kernels (BGMV) under the
+    interpreter: 3 rows (slots 1, base, 0) in bucket 4, whose padding row is -1, equal an
+    eager forward through the torch path; the plan reads the runner's static slots."""
+    model, caches = _model_and_caches(tiny_model_dir, num_blocks=12)
+    for cache in caches:
+        cache.normal_()
+    eager_caches = [c.clone() for c in caches]
+    targets = lora_targets(model)
+    shapes = {key: target.shape for key, target in targets.items()}
+    slots = LoRASlots(2, 8, shapes, torch.device("cpu"), torch.float32)
+    state = attach_lora(model, slots)
+    slot_of = slots.acquire(["one", "two"], lambda n: _random_adapter(n, shapes, len(n)))
+    state.use_kernels = True
+    table = BlockTable(torch.device("cpu"), num_rows=4, num_cols=2)
+    runner = DecodeGraphRunner(
+        model,
+        model.attn_backend,
+        caches,
+        table,
+        max_batch_size=8,
+        max_blocks_per_seq=4,
+        block_size=BLOCK_SIZE,
+        device=torch.device("cpu"),
+        capture=False,
+        set_lora_rows=state.set_rows,
+    )
+    runner.capture_all()
+    tables, context_lens = [[3, 7], [1], [10, 2, 5]], [20, 9, 40]
+    layout, step = _decode_step(table, tables, context_lens, "s")
+    row_slots = np.array([slot_of["two"], -1, slot_of["one"]], dtype=np.int32)
+    ids = np.array([5, 17, 200])
+    hidden = runner.run(ids, layout, step, lora_slots=row_slots)
+    assert runner.lora_slots is not None
+    assert state.row_slots is not None
+    assert state.row_slots.data_ptr() == runner.lora_slots.data_ptr()
+    assert runner.lora_slots[:4].tolist() == [*row_slots.tolist(), -1]
+
+    def eager(rows: torch.Tensor | None) -> torch.Tensor:
+        meta = build_attention_metadata([1, 1, 1], context_lens, tables, BLOCK_SIZE)
+        model.attn_backend.plan(meta, eager_caches[0])
+        state.set_rows(rows)
+        with torch.inference_mode():
+            return model(torch.from_numpy(ids), torch.tensor(context_lens), meta, eager_caches)
+
+    state.use_kernels = False
+    expected = eager(torch.from_numpy(row_slots))
+    torch.testing.assert_close(hidden, expected, atol=1e-5, rtol=1e-5)
+    base = eager(None)
+    moved = (expected - base).abs().amax(dim=-1)
+    assert moved[1] == 0
+    assert bool((moved[[0, 2]] > 1e-3).all())

@@ -15,7 +15,7 @@ from fastapi.responses import PlainTextResponse
 
 from render_server.http.api.deps import StateDep
 from render_server.http.serving import REQUEST_ERRORS
-from render_server.schemas.errors import ApiError, quoted
+from render_server.schemas.errors import SERVER_ERROR, ApiError, quoted
 from render_server.schemas.lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from render_server.worker_client.lora import LoRAOutcome
 
@@ -55,8 +55,14 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, state: StateDep) -> Pl
         )
     pool = state.require_workers()
     outcomes = await pool.load_lora(name, body.lora_path, state.settings.lora_op_timeout_s)
-    if not outcomes:
-        state.require_workers()  # every worker left while it ran: the 503
+    if not outcomes:  # every worker left before it was sent
+        raise ApiError(
+            503,
+            "No gpu-worker is connected and alive; retry shortly.",
+            type=SERVER_ERROR,
+            code="no_workers",
+            headers={"Retry-After": "1"},
+        )
     if not all(outcome.ok for outcome in outcomes):
         raise _worker_failure(outcomes)
     logger.info("loaded LoRA adapter %r from %r on %d workers", name, body.lora_path, len(outcomes))

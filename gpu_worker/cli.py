@@ -74,6 +74,17 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**given_fields(args, EngineConfig))
 
 
+def _engine_config_or_exit(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> EngineConfig:
+    """The engine's config, or argparse's usage error (exit 2) for flags that do not go
+    together (e.g. --lora-modules without --enable-lora)."""
+    try:
+        return config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     """The server's config: the flags given, ServerConfig's defaults for the rest."""
     return ServerConfig(**given_fields(args, ServerConfig))
@@ -109,7 +120,8 @@ def open_side_ports(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `gpu-worker`."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     server_config = server_config_from_args(args)
     logging.basicConfig(
         level=server_config.log_level.upper(),
@@ -125,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, ValueError) as exc:
             print(f"gpu-worker: error: {exc}", file=sys.stderr)
             return 2
-    config = config_from_args(args)
+    config = _engine_config_or_exit(parser, args)
     if config.node_rank > 0:
         from gpu_worker.engine.tp_worker import run_follower_node
 

@@ -13,7 +13,8 @@ like the flags they come from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Annotated, Any
 
 from shared.cli_fields import Flag
@@ -55,8 +56,13 @@ class SchedulerConfig:
     scheduling_policy: SchedulingPolicy = "fcfs"
     """fcfs: arrival order. priority: lower `priority` first, then arrival order, for both
     admission and the running order; preemption takes the last in that order."""
+    max_loras: int | None = None
+    """Most distinct LoRA adapters among the running sequences (the runner's slots); None
+    when LoRA is off. Base-model sequences do not count."""
 
     def __post_init__(self) -> None:
+        if self.max_loras is not None and self.max_loras < 1:
+            raise ValueError(f"max_loras must be positive, got {self.max_loras}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -129,8 +135,24 @@ class EngineConfig:
     dist_timeout_s: float = 60.0
     """Seconds a collective or the rendezvous waits for a peer: a dead rank fails the
     others' next step within it."""
+    enable_lora: Annotated[bool, Flag(section="LoRA adapters")] = False
+    """Serve LoRA adapters of the model: a request names one (the API's `model`), and one
+    batch mixes the base model and up to max-loras adapters."""
+    max_loras: int = 1
+    """Adapters resident at once, in preallocated slots; others registered wait in CPU
+    memory and are copied in when a request needs them (least recently used out)."""
+    max_lora_rank: int = 16
+    """Largest adapter rank accepted: the width of every slot."""
+    lora_modules: Annotated[list[str], Flag(metavar="NAME=PATH")] = field(default_factory=list)
+    """An adapter registered at start: NAME=PATH of a PEFT directory (the operator's own
+    path: no --lora-root check); repeatable."""
+    lora_root: Path | None = None
+    """The directory runtime loads (render's --lora-modules and POST
+    /v1/load_lora_adapter) must resolve inside, symlinks followed; without it they are
+    refused."""
 
     def __post_init__(self) -> None:
+        self._check_lora()
         size, nnodes = self.tensor_parallel_size, self.nnodes
         if size < 1:
             raise ValueError(f"tensor_parallel_size must be positive, got {size}")
@@ -149,6 +171,35 @@ class EngineConfig:
             raise ValueError("several nodes need dist_init_addr, the HOST:PORT of rank 0")
         if self.dist_timeout_s <= 0:
             raise ValueError(f"dist_timeout_s must be positive, got {self.dist_timeout_s}")
+
+    def _check_lora(self) -> None:
+        if not self.enable_lora:
+            if self.lora_modules or self.lora_root is not None:
+                raise ValueError("--lora-modules and --lora-root need --enable-lora")
+            return
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(
+                f"max_loras ({self.max_loras}) and max_lora_rank ({self.max_lora_rank}) "
+                "must be positive"
+            )
+        if self.tensor_parallel_size > 1:
+            # The layers shard adapters, but the followers' slots and per-step rows are not
+            # carried by the TP step yet: refuse rather than serve rank 0's adapters only.
+            raise ValueError("--enable-lora does not work with --tensor-parallel-size > 1 yet")
+        self.lora_module_paths()  # a malformed entry fails at start
+
+    def lora_module_paths(self) -> dict[str, Path]:
+        """The --lora-modules as name -> path; a ValueError names a malformed or repeated one."""
+        modules: dict[str, Path] = {}
+        for entry in self.lora_modules:
+            name, sep, path = entry.partition("=")
+            name, path = name.strip(), path.strip()
+            if not sep or not name or not path or len(name) > 128:
+                raise ValueError(f"--lora-modules {entry!r}: expected NAME=PATH (NAME <= 128)")
+            if name in modules:
+                raise ValueError(f"--lora-modules names {name!r} twice")
+            modules[name] = Path(path)
+        return modules
 
     def context_limit(self, max_position_embeddings: int) -> int:
         """The longest sequence served: `max_model_len`, else the model's context. A sliding

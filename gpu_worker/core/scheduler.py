@@ -11,6 +11,10 @@ by it, so `waiting[0]` is admitted first (head-of-line blocking: nobody overtake
 running sequences get the budget in key order, and `running[-1]` is preempted first. A
 preempted sequence goes back into `waiting` at its key, under "fcfs" its front: nothing
 newer than it was admitted before it.
+
+LoRA: the running set holds at most `max_loras` distinct adapters (the runner's slots).
+A waiting request of a further adapter is the one exception to head-of-line order: base
+requests behind it may pass, adapter requests may not (see `schedule`).
 """
 
 from __future__ import annotations
@@ -167,13 +171,25 @@ class Scheduler:
                 i += 1
 
         # Then admit waiting ones, unless this step had to preempt: blocks are short.
+        adapters = self._running_adapters()
+        waits_for_adapter = False
+        i = 0
         while (
-            self.waiting
+            i < len(self.waiting)
             and budget > 0
             and not out.preempted
             and len(self.running) < self.config.max_num_seqs
         ):
-            seq = self.waiting[0]
+            seq = self.waiting[i]
+            if seq.lora_name is not None and (
+                waits_for_adapter or not self._adapter_fits(seq.lora_name, adapters)
+            ):
+                # No slot for its adapter: base requests behind it may pass (they need
+                # none), no adapter request may, so the running adapters drain and it
+                # gets its slot.
+                waits_for_adapter = True
+                i += 1
+                continue
             cached_blocks: list[int] = []
             num_cached = 0
             if not seq.needs_prompt_logprobs:  # else every prompt position must be computed
@@ -181,7 +197,9 @@ class Scheduler:
             num_new = self._num_new_tokens(seq, num_cached, budget)
             if not self.kv.allocate_slots(seq, num_new, cached_blocks):
                 break  # nobody overtakes the head of the queue
-            self.waiting.pop(0)
+            self.waiting.pop(i)
+            if seq.lora_name is not None:
+                adapters.add(seq.lora_name)
             if seq.status == SequenceStatus.WAITING:  # its first step, not a recompute
                 seq.num_cached_tokens = num_cached
                 seq.first_scheduled_time = time.monotonic()
@@ -217,6 +235,17 @@ class Scheduler:
                 self._release(seq)
             changed.append(seq)
         return changed
+
+    def _running_adapters(self) -> set[str]:
+        """The distinct adapters of the running sequences (empty when LoRA is off)."""
+        if self.config.max_loras is None:
+            return set()
+        return {seq.lora_name for seq in self.running if seq.lora_name is not None}
+
+    def _adapter_fits(self, lora_name: str, adapters: set[str]) -> bool:
+        """A sequence of `lora_name` may join the running `adapters` within `max_loras`."""
+        limit = self.config.max_loras
+        return limit is None or lora_name in adapters or len(adapters) < limit
 
     def _key(self, seq: Sequence) -> tuple[int, int]:
         return (seq.priority if self.by_priority else 0, seq.arrival_order)

@@ -52,6 +52,9 @@ class Sequence:
     sampling: SamplingParams
     cache_salt: str | None = None
     """Per-tenant salt mixed into the block hashes, so tenants never share cached blocks."""
+    lora_name: str | None = None
+    """The LoRA adapter it runs under (None: the base model). Its block hashes root in the
+    adapter's own tree: KV computed under one adapter is wrong under any other."""
     priority: int = 0
     """Lower runs first under the scheduler's "priority" policy; 0 under "fcfs"."""
     arrival_order: int = 0
@@ -87,7 +90,7 @@ class Sequence:
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         self.block_hashes = prefix_block_hashes(
-            self.all_token_ids, self.block_size, self.cache_salt
+            self.all_token_ids, self.block_size, self.cache_salt, lora_name=self.lora_name
         )
 
     @property
@@ -130,7 +133,11 @@ class Sequence:
         num_tokens = len(self.all_token_ids)
         if num_tokens % self.block_size == 0:
             # Only the block just filled is hashed: its parent's hash is already known.
-            parent = self.block_hashes[-1] if self.block_hashes else root_hash(self.cache_salt)
+            parent = (
+                self.block_hashes[-1]
+                if self.block_hashes
+                else root_hash(self.cache_salt, self.lora_name)
+            )
             self.block_hashes.append(
                 hash_block(parent, self.all_token_ids[num_tokens - self.block_size :])
             )

@@ -7,6 +7,10 @@ the offline API for batch inference without HTTP:
     from shared.sampling import SamplingParams
     engine = Engine(model="SmolLM2-135M-Instruct", device="cpu")
     [completion] = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8))
+
+With `enable_lora`, requests name registered LoRA adapters (`Generate.lora_name`); the
+registry (`gpu_worker.lora.manager`) holds them in CPU memory, the runner makes each step's
+adapters resident in slots and one forward pass mixes them with base-model rows.
 """
 
 from __future__ import annotations
@@ -27,8 +31,12 @@ from gpu_worker.core.sequence import FinishReason, Sequence
 from gpu_worker.distributed.group import TPGroup
 from gpu_worker.engine.errors import RequestRejected
 from gpu_worker.engine.profile_sampling import profile_sampling
-from gpu_worker.engine.rank import build_runner, load_rank_model
+from gpu_worker.engine.rank import RankModel, build_runner, load_rank_model
 from gpu_worker.engine.tp_worker import TPLeader
+from gpu_worker.lora.layers import LoRAState, attach_lora, lora_targets
+from gpu_worker.lora.manager import LoRAConflictError, LoRARegistry
+from gpu_worker.lora.paths import InvalidLoRAError, LoRAError
+from gpu_worker.lora.slots import LoRASlots
 from gpu_worker.runner.device import resolve_device
 from gpu_worker.sampling.prompt_logprobs import record_prompt_logprobs, score_prompt_rows
 from gpu_worker.sampling.sampler import Sampler, SamplerOutput, new_sampler_state
@@ -60,6 +68,31 @@ class Completion:
     num_cached_tokens: int
     stop_token_id: int | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    def add(self, delta: RequestDelta) -> None:
+        """Fold in one step's delta of this prompt."""
+        self.token_ids.extend(delta.new_token_ids)
+        if delta.logprobs is not None and self.logprobs is not None:
+            self.logprobs.extend(delta.logprobs)
+        self.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.stop_token_id = delta.stop_token_id
+
+
+@dataclass(frozen=True)
+class LoRAOpResult:
+    """How `Engine.load_lora` or `unload_lora` went: an HTTP-style status (200 done, 400
+    invalid or refused, 404 not found, 409 already loaded or in use) and what to tell."""
+
+    status: int
+    message: str
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200
 
 
 class Engine:
@@ -101,7 +134,11 @@ class Engine:
             post_forward = profile_sampling(
                 self.sampler, self.model.compute_logits, self.vocab_size, config.block_size
             )
-            self.runner = build_runner(config, rank, group, post_forward)
+            # Before the runner: the KV cache is sized with the slots already allocated.
+            lora = self._build_lora(rank)
+            self.runner = build_runner(config, rank, group, post_forward, lora)
+        self.lora: LoRARegistry | None = None if lora is None else lora[0]
+        """The registered adapters; None when LoRA is off."""
         self.kv = KVCacheManager(
             CacheConfig(
                 block_size=config.block_size,
@@ -116,6 +153,7 @@ class Engine:
                 max_model_len=self.max_model_len,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 scheduling_policy=config.scheduling_policy,
+                max_loras=config.max_loras if config.enable_lora else None,
             ),
             self.kv,
             self.eos_token_ids,
@@ -126,8 +164,33 @@ class Engine:
         self._num_steps = 0
         self._offline_ids = itertools.count()
 
+    def _build_lora(self, rank: RankModel) -> tuple[LoRARegistry, LoRAState] | None:
+        """The LoRA slots wrapped into the model and the registry over them, holding the
+        --lora-modules (a bad one fails the start); None when LoRA is off."""
+        config = self.config
+        if not config.enable_lora:
+            return None
+        targets = lora_targets(rank.model)
+        slots = LoRASlots(
+            config.max_loras,
+            config.max_lora_rank,
+            {key: target.shape for key, target in targets.items()},
+            rank.device,
+            rank.dtype,
+            {key: target.shard for key, target in targets.items()},
+        )
+        state = attach_lora(rank.model, slots)
+        registry = LoRARegistry(slots, rank.model_config, config.lora_root)
+        for name, path in config.lora_module_paths().items():
+            try:
+                registry.register_trusted(name, path)
+            except LoRAError as exc:  # a ValueError, as every bad engine argument is
+                raise ValueError(f"--lora-modules {name}: {exc.message}") from exc
+        return registry, state
+
     def _model_card(self, source: ModelSource) -> ModelCard:
         mc = self.model_config
+        lora_on = self.config.enable_lora
         return ModelCard(
             model_id=source.name,
             tokenizer_digest=tokenizer_digest(source),
@@ -139,6 +202,8 @@ class Engine:
             architecture=mc.architecture,
             dtype=str(self.dtype).removeprefix("torch."),
             scheduling_policy=self.config.scheduling_policy,
+            max_loras=self.config.max_loras if lora_on else 0,
+            max_lora_rank=self.config.max_lora_rank if lora_on else 0,
         )
 
     # ---- the core the server drives ------------------------------------------------
@@ -155,6 +220,7 @@ class Engine:
             prompt_token_ids=list(request.prompt_token_ids),
             sampling=request.sampling,
             cache_salt=request.cache_salt,
+            lora_name=request.lora_name,
             priority=request.priority,
             block_size=self.config.block_size,
             sampler_state=new_sampler_state(request.sampling, matcher),
@@ -176,6 +242,17 @@ class Engine:
             request.sampling.validate(self.vocab_size)
         except SamplingParamsError as exc:
             raise RequestRejected("invalid_request", exc.message) from exc
+        if request.lora_name is not None:
+            if self.lora is None:
+                raise RequestRejected(
+                    "lora_disabled",
+                    f"the request names LoRA adapter {request.lora_name!r} but this worker "
+                    "runs without --enable-lora",
+                )
+            if request.lora_name not in self.lora:
+                raise RequestRejected(
+                    "lora_not_found", f"no LoRA adapter named {request.lora_name!r} is loaded"
+                )
         if request.priority != 0 and self.config.scheduling_policy == "fcfs":
             raise RequestRejected(
                 "invalid_request",
@@ -193,6 +270,37 @@ class Engine:
             return self.structured.new_matcher(request.constraint, prompt)
         except ConstraintError as exc:
             raise RequestRejected("invalid_request", f"constraint: {exc.message}") from exc
+
+    def load_lora(self, name: str, path: str) -> LoRAOpResult:
+        """Register the adapter at `path`, which must resolve inside --lora-root."""
+        try:
+            self._registry().register_runtime(name, path)
+        except LoRAError as exc:
+            return LoRAOpResult(exc.status, exc.message)
+        logger.info("registered LoRA adapter %s", name)
+        return LoRAOpResult(200, f"LoRA adapter {name!r} added")
+
+    def unload_lora(self, name: str) -> LoRAOpResult:
+        """Forget adapter `name`; refused (409) while requests run or wait under it, whose
+        next step would find no adapter."""
+        try:
+            registry = self._registry()
+            in_use = sum(seq.lora_name == name for seq in self.scheduler.requests.values())
+            if in_use:
+                raise LoRAConflictError(
+                    f"LoRA adapter {name!r} is in use by {in_use} request(s): "
+                    "unload it after they end"
+                )
+            registry.unregister(name)
+        except LoRAError as exc:
+            return LoRAOpResult(exc.status, exc.message)
+        logger.info("unregistered LoRA adapter %s", name)
+        return LoRAOpResult(200, f"LoRA adapter {name!r} removed")
+
+    def _registry(self) -> LoRARegistry:
+        if self.lora is None:
+            raise InvalidLoRAError("LoRA is off: start the worker with --enable-lora")
+        return self.lora
 
     def abort(self, request_keys: list[str]) -> None:
         """Stop these requests and free their KV blocks now."""
@@ -329,6 +437,7 @@ class Engine:
     def stats(self) -> WorkerStats:
         """Load and cache numbers for heartbeats."""
         prefix = self.kv.stats
+        lora = self.lora
         return WorkerStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -337,6 +446,10 @@ class Engine:
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             steps=self._num_steps,
+            lora_registered=lora.registered if lora is not None else [],
+            lora_resident=lora.resident if lora is not None else [],
+            lora_loads=lora.slots.num_loads if lora is not None else 0,
+            lora_evictions=lora.slots.num_evictions if lora is not None else 0,
         )
 
     # ---- offline API ---------------------------------------------------------------
@@ -345,35 +458,33 @@ class Engine:
         self,
         prompts: list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
+        lora_names: list[str | None] | None = None,
     ) -> list[Completion]:
-        """Generate for every prompt in one continuous batch; results in prompt order."""
+        """Generate for every prompt in one continuous batch; results in prompt order.
+        `lora_names` gives each prompt's adapter (None: the base model)."""
         if params is None:
             params = SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        if lora_names is None:
+            lora_names = [None] * len(prompts)
+        if len(lora_names) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(lora_names)} lora_names")
         keys = [f"offline-{next(self._offline_ids)}" for _ in prompts]
         results: dict[str, Completion] = {}
-        for key, prompt, sampling in zip(keys, prompts, params, strict=True):
+        for key, prompt, sampling, lora_name in zip(keys, prompts, params, lora_names, strict=True):
             results[key] = Completion([], "", [] if sampling.logprobs is not None else None, 0)
-            self.add_request(
-                Generate(request_id=key, prompt_token_ids=prompt, sampling=sampling), key
+            request = Generate(
+                request_id=key, prompt_token_ids=prompt, sampling=sampling, lora_name=lora_name
             )
+            self.add_request(request, key)
         while self.has_unfinished_requests():
             for delta in self.step():
                 completion = results.get(delta.request_id)
-                if completion is None:
-                    continue
-                completion.token_ids.extend(delta.new_token_ids)
-                if delta.logprobs is not None and completion.logprobs is not None:
-                    completion.logprobs.extend(delta.logprobs)
-                completion.num_cached_tokens = delta.num_cached_tokens
-                if delta.prompt_logprobs is not None:
-                    completion.prompt_logprobs = delta.prompt_logprobs
-                if delta.finish_reason is not None:
-                    completion.finish_reason = delta.finish_reason
-                    completion.stop_token_id = delta.stop_token_id
+                if completion is not None:
+                    completion.add(delta)
         return [results[key] for key in keys]
 
     @torch.inference_mode()

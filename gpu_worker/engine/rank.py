@@ -38,7 +38,7 @@ from gpu_worker.ops.layer_ops import get_layer_ops
 from gpu_worker.runner.device import resolve_dtype
 from gpu_worker.runner.kv_budget import MemoryUse
 from gpu_worker.runner.kv_caches import allocate_kv_caches, size_kv_cache
-from gpu_worker.runner.model_runner import ModelRunner
+from gpu_worker.runner.model_runner import AdapterRows, AdapterSlots, ModelRunner
 from gpu_worker.runner.profiling import (
     CudaMemoryProbe,
     PostForward,
@@ -98,10 +98,15 @@ def decode_graph_batch_size(
 
 
 def build_runner(
-    config: EngineConfig, rank: RankModel, group: TPGroup, post_forward: PostForward
+    config: EngineConfig,
+    rank: RankModel,
+    group: TPGroup,
+    post_forward: PostForward,
+    lora: tuple[AdapterSlots, AdapterRows] | None = None,
 ) -> ModelRunner:
     """The rank's runner: its KV cache (sized on CUDA by a profiling run whose steps end
-    in `post_forward`), the autotuners run, the decode graphs captured."""
+    in `post_forward`), the autotuners run, its LoRA adapters (`ModelRunner.use_lora`)
+    and the decode graphs captured."""
     max_model_len = config.context_limit(rank.model_config.max_position_embeddings)
     graph_batch_size = decode_graph_batch_size(config, rank.device, rank.backend_name)
     memory = _profile_memory(config, rank, max_model_len, graph_batch_size, post_forward)
@@ -118,6 +123,8 @@ def build_runner(
         rank.device,
     )
     runner = ModelRunner(rank.model, rank.attn_backend, kv_caches, config.block_size, rank.device)
+    if lora is not None:
+        runner.use_lora(*lora)
     # Every autotuner runs now, on the real cache, so that no request waits for one;
     # before the graphs, whose capture must not tune.
     rank.attn_backend.tune(

@@ -13,12 +13,18 @@ Block tables are not rebuilt each step: `gpu_worker.runner.block_table` keeps a 
 running sequence and writes only the blocks each gained, and the step's tables are a
 gather of its rows on the device. Rows are freed through `release` with the scheduler's
 `finished_request_ids`.
+
+LoRA (`use_lora`, before the graphs are captured): before a step's forward its adapters
+are made resident (the registry copies missing ones into slots) and every token row gets
+its sequence's slot, -1 for the base model: set on the model's `LoRAState` for an eager
+step, staged as one more graph input for a replayed decode step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -35,6 +41,18 @@ from gpu_worker.core.scheduler import ScheduledSequence
 from gpu_worker.models.base import CausalLM
 from gpu_worker.runner.block_table import BlockTable, BlockTableStep
 from gpu_worker.runner.cuda_graphs import DecodeGraphRunner
+
+
+class AdapterSlots(Protocol):
+    """Where a step's adapters become resident (`gpu_worker.lora.manager.LoRARegistry`)."""
+
+    def acquire(self, names: Iterable[str]) -> Mapping[str, int]: ...
+
+
+class AdapterRows(Protocol):
+    """The per-row slots the wrapped model reads (`gpu_worker.lora.layers.LoRAState`)."""
+
+    def set_rows(self, row_slots: torch.Tensor | None) -> None: ...
 
 
 @dataclass
@@ -87,6 +105,15 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphRunner | None = None
         """Set by `capture_decode_graphs` on CUDA: pure-decode steps then replay graphs."""
         self.num_graph_steps = 0
+        self._lora: tuple[AdapterSlots, AdapterRows] | None = None
+
+    def use_lora(self, registry: AdapterSlots, state: AdapterRows) -> None:
+        """Serve the adapters of `registry` through `state` (`attach_lora` wrapped the
+        model over the registry's slots); before `capture_decode_graphs`, whose graphs
+        then stage each row's slot."""
+        if self.decode_graphs is not None:
+            raise RuntimeError("use_lora comes before the decode graphs are captured")
+        self._lora = (registry, state)
 
     def capture_decode_graphs(self, max_batch_size: int, max_model_len: int) -> None:
         """Capture the decode graphs for batches up to `max_batch_size` sequences of up to
@@ -101,6 +128,7 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device,
             capture=True,
+            set_lora_rows=None if self._lora is None else self._lora[1].set_rows,
         )
         graphs.capture_all()
         self.decode_graphs = graphs
@@ -113,17 +141,48 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledSequence]) -> RunnerOutput:
         """Run one step: fp32 logits for each sampling sequence, in batch order, and the
         hidden states of the prompt rows whose logprobs were asked for."""
-        return self.execute_host(self.prepare(scheduled))
+        return self.execute_host(self.prepare(scheduled), self._adapter_slots(scheduled))
+
+    def _adapter_slots(self, scheduled: list[ScheduledSequence]) -> np.ndarray | None:
+        """Each sequence's adapter slot (-1: the base model), its adapters made resident
+        first; None when LoRA is off or no sequence of the step has an adapter."""
+        if self._lora is None:
+            return None
+        names = {item.seq.lora_name for item in scheduled}
+        names.discard(None)
+        if not names:
+            return None
+        slot_of = self._lora[0].acquire(name for name in names if name is not None)
+        return np.array(
+            [
+                -1 if item.seq.lora_name is None else slot_of[item.seq.lora_name]
+                for item in scheduled
+            ],
+            dtype=np.int32,
+        )
+
+    def _set_lora_rows(self, layout: BatchLayout, seq_slots: np.ndarray | None) -> None:
+        """An eager step's slot per token row, each sequence's repeated over its tokens."""
+        if self._lora is None:
+            return
+        if seq_slots is None:
+            self._lora[1].set_rows(None)
+            return
+        rows = np.repeat(seq_slots, np.diff(layout.query_start_loc))
+        self._lora[1].set_rows(torch.from_numpy(rows).to(self.device))
 
     @torch.inference_mode()
-    def execute_host(self, batch: HostBatch) -> RunnerOutput:
+    def execute_host(
+        self, batch: HostBatch, adapter_slots: np.ndarray | None = None
+    ) -> RunnerOutput:
         """Run a prepared step: this runner's own `prepare`, or, on a TP follower, the
         leader's, received over the wire. Either way the batch's block-table writes go into
-        this runner's table, so every rank's table stays the leader's."""
+        this runner's table, so every rank's table stays the leader's. `adapter_slots`:
+        each sequence's LoRA slot (`_adapter_slots`), None for a base-only step."""
         self._fit_table(batch.table_shape)
         graphs = self.decode_graphs
         if graphs is not None and graphs.can_run(batch.layout, batch.table):
-            hidden = graphs.run(batch.input_ids, batch.layout, batch.table)
+            hidden = graphs.run(batch.input_ids, batch.layout, batch.table, adapter_slots)
             self.num_graph_steps += 1
             # Rare in a decode step (a one-token prefill chunk), so their own small copy.
             rows = [r for r in (batch.sample_rows, batch.prompt_rows) if r is not None]
@@ -132,6 +191,7 @@ class ModelRunner:
             prompt_rows = None if batch.prompt_rows is None else uploaded.pop(0)
         else:
             input_ids, positions, meta, sample_rows, prompt_rows = self.upload(batch)
+            self._set_lora_rows(batch.layout, adapter_slots)
             self.attn_backend.plan(meta, self.kv_caches[0])
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
         prompt_hidden = None if prompt_rows is None else hidden.index_select(0, prompt_rows)

@@ -35,10 +35,13 @@ from shared.protocol import (
     Generate,
     Heartbeat,
     Hello,
+    LoadLoRA,
+    LoRAResult,
     RejectCode,
     Rejected,
     RenderToWorker,
     RequestDelta,
+    UnloadLoRA,
     Welcome,
     WorkerStats,
 )
@@ -62,6 +65,19 @@ class EngineCore(Protocol):
     def step(self) -> list[RequestDelta]: ...
     def has_unfinished_requests(self) -> bool: ...
     def stats(self) -> WorkerStats: ...
+    def load_lora(self, name: str, path: str) -> LoRAOutcome: ...
+    def unload_lora(self, name: str) -> LoRAOutcome: ...
+
+
+class LoRAOutcome(Protocol):
+    """How a LoRA load or unload went (`gpu_worker.engine.engine.LoRAOpResult`)."""
+
+    @property
+    def status(self) -> int: ...
+    @property
+    def message(self) -> str: ...
+    @property
+    def ok(self) -> bool: ...
 
 
 class GpuReader(Protocol):
@@ -226,9 +242,7 @@ class WorkerServer:
             )
             return
         if client is None:
-            self.counters.rejected += 1
-            if isinstance(message, Generate):
-                self._reject(identity, message.request_id, "protocol", "send Hello first")
+            self._refuse_stranger(identity, message)
             return
         if isinstance(message, Generate):
             self._add(client, message)
@@ -241,6 +255,37 @@ class WorkerServer:
                 self._abort(keys)
         elif isinstance(message, ClientHeartbeat):
             client.sends_heartbeats = True
+        elif isinstance(message, LoadLoRA | UnloadLoRA):
+            self._change_lora(identity, message)
+
+    def _change_lora(self, identity: bytes, message: LoadLoRA | UnloadLoRA) -> None:
+        """Register or forget an adapter, here between steps on the engine's thread, and
+        answer with the outcome: a bad path or adapter is an answer, never a crash."""
+        if isinstance(message, LoadLoRA):
+            outcome = self.engine.load_lora(message.lora_name, message.lora_path)
+        else:
+            outcome = self.engine.unload_lora(message.lora_name)
+        if not outcome.ok:
+            verb = "load" if isinstance(message, LoadLoRA) else "unload"
+            logger.info("LoRA %s of %s refused: %s", verb, message.lora_name, outcome.message)
+        result = LoRAResult(
+            op_id=message.op_id,
+            ok=outcome.ok,
+            status=outcome.status,
+            message=outcome.message[:4096],
+        )
+        self._io.send(identity, result)
+
+    def _refuse_stranger(self, identity: bytes, message: RenderToWorker) -> None:
+        """Answer what a client that never said Hello asked for, so it never waits."""
+        self.counters.rejected += 1
+        if isinstance(message, Generate):
+            self._reject(identity, message.request_id, "protocol", "send Hello first")
+        elif isinstance(message, LoadLoRA | UnloadLoRA):
+            refused = LoRAResult(
+                op_id=message.op_id, ok=False, status=400, message="send Hello first"
+            )
+            self._io.send(identity, refused)
 
     @staticmethod
     def _key(client: _Client, request_id: str) -> str:

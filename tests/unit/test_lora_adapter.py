@@ -11,7 +11,7 @@ from typing import Any, cast
 import pytest
 import torch
 import transformers
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 from safetensors.torch import save_file
 
 from gpu_worker.lora.adapter import LORA_TARGETS, LoRAAdapter, load_peft_adapter, target_shapes
@@ -23,42 +23,8 @@ from gpu_worker.lora.paths import (
 )
 from gpu_worker.lora.slots import LoRASlots, TooManyLoRAsError
 from gpu_worker.models.config import ModelConfig
+from tests.helpers.lora_adapters import AdapterSpec, add_peft_adapters
 from tests.helpers.tiny_models import save_tiny_model
-
-
-@dataclasses.dataclass(frozen=True)
-class AdapterSpec:
-    """A random PEFT adapter: its rank, alpha and targets."""
-
-    rank: int
-    alpha: int
-    targets: tuple[str, ...]
-    use_rslora: bool = False
-    seed: int = 0
-
-
-def add_peft_adapters(
-    hf: transformers.PreTrainedModel, specs: Mapping[str, AdapterSpec], out: Path
-) -> PeftModel:
-    """`hf` wrapped by PEFT with one adapter per spec, saved by PEFT to `out/<name>`.
-    `init_lora_weights=False` draws B at random too (PEFT's default zeroes it)."""
-    model: PeftModel | None = None
-    for name, spec in specs.items():
-        config = LoraConfig(
-            r=spec.rank,
-            lora_alpha=spec.alpha,
-            target_modules=list(spec.targets),
-            init_lora_weights=False,
-            use_rslora=spec.use_rslora,
-        )
-        torch.manual_seed(spec.seed)
-        if model is None:
-            model = get_peft_model(hf, config, adapter_name=name)
-        else:
-            model.add_adapter(name, config)
-    assert model is not None
-    model.save_pretrained(str(out), selected_adapters=list(specs))
-    return model.eval()
 
 
 def _config(hf: transformers.PreTrainedModel) -> ModelConfig:

@@ -22,8 +22,8 @@ from gpu_worker.lora.slots import LoRASlots
 from gpu_worker.models import LlamaForCausalLM
 from gpu_worker.models.config import ModelConfig
 from shared.model_source import resolve_model
+from tests.helpers.lora_adapters import AdapterSpec, add_peft_adapters
 from tests.helpers.tiny_models import PagedRunner, save_tiny_model
-from tests.unit.test_lora_adapter import AdapterSpec, add_peft_adapters
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

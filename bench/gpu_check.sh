@@ -160,7 +160,10 @@ export PYTHONPATH="$site:$PWD"
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET # the kernel tests' conftest sets it where there is no CUDA
 # -v: each test's name is in the log before it runs, so a step cut off at its limit shows where.
-pytest=("$PY" -m pytest -v -rfEs -p no:cacheprovider)
+# Each failure's traceback as it happens and a per-test limit, so a step cut off at its own
+# limit still shows why; the slowest tests, to size the limits.
+pytest=("$PY" -m pytest -v -rfEs -p no:cacheprovider -p tests.helpers.instant_failures
+    --timeout="${TEST_TIMEOUT:-100}" --durations=12)
 
 # ---- tests ------------------------------------------------------------------------------
 if [ "$QUICK" = 1 ]; then
@@ -168,7 +171,9 @@ if [ "$QUICK" = 1 ]; then
     step engine-tests "${LIMITS[2]}" tests.txt "${pytest[@]}" -m cuda \
         tests/kernels/test_cuda_graphs.py
 else
-    step kernel-tests "${LIMITS[1]}" tests.txt "${pytest[@]}" tests/kernels \
+    # KERNEL_TESTS="files..." narrows a second call to what the first did not finish.
+    read -r -a kernel_tests <<<"${KERNEL_TESTS:-tests/kernels}"
+    step kernel-tests "${LIMITS[1]}" tests.txt "${pytest[@]}" "${kernel_tests[@]}" \
         --ignore=tests/kernels/test_cuda_graphs.py
     # On CUDA the CUDA engine tests; here the file's CPU graph-path tests too (the CUDA ones
     # skip): those run CPU tensors through Triton, which only the interpreter accepts.

@@ -5,8 +5,9 @@
 STEPS.tsv has one line per step, as the script records it: name, status (passed, failed,
 timed out, skipped), exit code, seconds, time limit, and a detail (pytest's counts line, or
 why the step was skipped). Writes OUT/summary.json, and OUT/RESULTS.md with the sections
-bench/kernels.py and bench/gpu_engine.py rendered (OUT/kernels.json, OUT/kernels-engine.json) for pasting
-into bench/RESULTS.md; prints the steps as a table, last, so a device call's reply shows it.
+bench/kernels.py and bench/gpu_engine.py rendered (OUT/kernels.json, OUT/kernels-engine.json)
+for pasting into bench/RESULTS.md; prints the steps as a table, last, so a device call's
+reply shows it.
 """
 
 from __future__ import annotations

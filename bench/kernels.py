@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 DECODE_TARGET = 0.70  # of copy bandwidth, at batch >= 32 and context >= 8k
-PREFILL_TARGET = 0.80  # of SDPA's TFLOP/s
+PREFILL_TARGET = 1 / 1.5  # of SDPA's TFLOP/s: within 1.5x of its time (issue 22)
 
 
 @dataclass
@@ -86,11 +86,17 @@ def measure_ms(fn: Callable[[], object]) -> float:
 
 
 def copy_bandwidth(device: torch.device) -> float:
-    """Device-to-device copy, bytes read + written per second, on buffers far beyond L2."""
+    """Device-to-device copy, bytes read + written per second, on buffers far beyond L2.
+
+    Timed as plain launches, not a graph replay: captured in a CUDA graph the copy becomes a
+    memcpy node that the copy engine serves (2.7 TB/s on an H200 against 4.3 TB/s for the
+    copy kernel), which would flatter every kernel measured against it."""
+    import triton.testing
+
     n = 2 << 30
-    src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
+    src = torch.empty(n // 4, dtype=torch.float32, device=device).normal_()
     dst = torch.empty_like(src)
-    ms = measure_ms(lambda: dst.copy_(src))
+    ms = float(triton.testing.do_bench(lambda: dst.copy_(src), rep=200, return_mode="median"))
     return 2 * n / (ms * 1e-3)
 
 
@@ -287,7 +293,8 @@ def render(device_name: str, command: str, copy_bps: float, decode, prefill) -> 
         )
     lines += [
         "",
-        f"### Prefill (`paged_prefill_attention`), target >= {PREFILL_TARGET:.1f}x SDPA",
+        f"### Prefill (`paged_prefill_attention`), target >= {PREFILL_TARGET:.2f}x SDPA "
+        "(within 1.5x of its time)",
         "",
         "| case | seqs x new tokens | prefix | ms | TFLOP/s | SDPA TFLOP/s (backend) "
         "| vs SDPA | max abs err |",

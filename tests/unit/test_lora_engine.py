@@ -6,20 +6,22 @@ from __future__ import annotations
 import copy
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import pytest
 import torch
-from peft import PeftModel
 
 from gpu_worker import Engine
 from gpu_worker.engine.errors import RequestRejected
 from gpu_worker.lora.adapter import LORA_TARGETS
 from shared.protocol import Generate
 from shared.sampling import SamplingParams
-from tests.helpers.lora_adapters import AdapterSpec, add_peft_adapters
+from tests.helpers.lora_adapters import AdapterSpec, add_peft_adapters, write_random_adapter
 from tests.helpers.tiny_models import save_tiny_model, save_tiny_tokenizer
+
+if TYPE_CHECKING:  # imported by the helpers where used: the GPU check runs without peft
+    from peft import PeftModel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -280,3 +282,32 @@ def test_smollm2_mixed_batch_gives_each_row_its_own_models_output(smollm2: Serve
     stats = engine.stats()
     assert sorted(stats.lora_resident) == ["alpha", "beta"]
     assert stats.lora_evictions == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_decode_graphs_serve_each_rows_adapter_as_eager_steps_do(tmp_path: Path) -> None:
+    """The built-in model on CUDA: decode steps replayed from graphs, with each row's slot
+    staged, give the tokens of eager steps for a batch of base and two adapters' rows."""
+    names: list[str | None] = [None, "alpha", "beta", "alpha", None, "beta"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = {}
+    for eager in (True, False):
+        lora = {"enable_lora": True, "max_loras": 2, "lora_root": tmp_path}
+        engine = Engine(device="cuda", enforce_eager=eager, max_num_seqs=16, **lora)
+        assert (engine.runner.decode_graphs is None) is eager
+        for name in ("alpha", "beta"):
+            if eager:  # written once, for the model's shapes
+                write_random_adapter(tmp_path / name, engine.model_config, SPECS[name])
+            assert engine.load_lora(name, name).ok
+        # Rows 0-1 and 4-5 share a prompt: base against an adapter.
+        prompts = [_prompt(200 + i // 2 * 2, 12 + i // 2, engine.vocab_size) for i in range(6)]
+        outputs[eager] = [c.token_ids for c in engine.generate(prompts, params, lora_names=names)]
+        if not eager:
+            assert engine.runner.num_graph_steps > 0
+        del engine
+        torch.cuda.empty_cache()
+    assert outputs[False] == outputs[True]
+    eager_out = outputs[True]
+    assert eager_out[0] != eager_out[1]
+    assert eager_out[4] != eager_out[5]

@@ -208,6 +208,25 @@ def test_a_worker_without_lora_refuses_adapters(tiny: Served) -> None:
     assert engine.load_lora("alpha", "alpha").status == 400
 
 
+def test_the_worker_metrics_count_adapter_loads_and_evictions(tiny: Served) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from gpu_worker.server.metrics_http import WorkerMetrics
+
+    tiny.engine.generate([[5, 6, 7]], GREEDY, lora_names=["alpha"])  # one adapter resident
+    metrics = WorkerMetrics("tiny")
+    metrics.observe_stats(tiny.engine.stats())
+    registry = CollectorRegistry()
+    registry.register(metrics)
+    lines = generate_latest(registry).decode().splitlines()
+    stats = tiny.engine.stats()
+    labels = '{engine="0",model_name="tiny"}'
+    assert f"duet:lora_loads_total{labels} {float(stats.lora_loads)}" in lines
+    assert f"duet:lora_evictions_total{labels} {float(stats.lora_evictions)}" in lines
+    assert f"duet:lora_registered{labels} {float(len(SPECS))}" in lines
+    assert f"duet:lora_resident{labels} 1.0" in lines
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [

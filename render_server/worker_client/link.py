@@ -54,6 +54,9 @@ class WorkerLink:
         self.last_heartbeat = 0.0
         self.hello_sent_at = 0.0  # monotonic
         self.stats: WorkerStats | None = None
+        self.lora_changes: dict[str, bool] = {}
+        """Adapters this worker loaded (True) or unloaded (False) by our request that its
+        heartbeats do not show yet: one sent before the change must not undo it."""
         self.streams: dict[str, RequestStream] = {}
         self.closed = False
         self.draining = False  # no longer in the pool's addresses: finish, take nothing new

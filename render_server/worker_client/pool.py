@@ -430,14 +430,28 @@ class WorkerPool:
 
     def _note_lora_change(self, link: WorkerLink, name: str, *, loaded: bool) -> None:
         """Apply a load or unload to what the worker's last heartbeat said, so routing and
-        /v1/models see it before the next heartbeat does."""
+        /v1/models see it at once, and keep applying it until a heartbeat shows it."""
+        link.lora_changes[name] = loaded
+        self._apply_lora_changes(link, heartbeat=False)
+
+    def _apply_lora_changes(self, link: WorkerLink, *, heartbeat: bool) -> None:
+        """Patch `link.stats` with the changes its heartbeats do not show yet; a change a
+        fresh heartbeat (`heartbeat`) shows is done with."""
         stats = link.stats
         if stats is None:
             return
-        registered = [other for other in stats.lora_registered if other != name]
-        resident = [other for other in stats.lora_resident if other != name]
-        if loaded:
-            registered.append(name)
+        registered = list(stats.lora_registered)
+        resident = list(stats.lora_resident)
+        for name, loaded in list(link.lora_changes.items()):
+            if (name in registered) == loaded:
+                if heartbeat:  # the worker's own figures show it now
+                    del link.lora_changes[name]
+            elif loaded:
+                registered.append(name)
+            else:
+                registered.remove(name)
+                if name in resident:
+                    resident.remove(name)
         link.stats = msgspec.structs.replace(
             stats, lora_registered=registered, lora_resident=resident
         )
@@ -483,6 +497,8 @@ class WorkerPool:
             self._on_deltas(link, message)
         elif isinstance(message, Heartbeat):
             link.stats = message.stats
+            if link.lora_changes:
+                self._apply_lora_changes(link, heartbeat=True)
             link.last_heartbeat = time.time()
         elif isinstance(message, Rejected):
             self._on_rejected(link, message)
@@ -553,6 +569,7 @@ class WorkerPool:
         if not link.welcomed:
             logger.info("worker %s (%s) serves %s", link.address, welcome.worker_id, card.model_id)
         link.refused = False
+        link.lora_changes.clear()  # it may have restarted: its heartbeats say what it has
         link.worker_id = welcome.worker_id
         link.model_card = card
         link.welcomed = link.alive = True

@@ -111,18 +111,21 @@ class FakeLoRAWorker(threading.Thread):
     """A ROUTER that welcomes with `CARD`, heartbeats the adapters it registers and holds
     resident every 0.1 s, records Generates and LoRA operations, and answers each operation
     with `answer(operation)`: (status, message), or None to stay silent. A 200 changes what
-    it registers, as a worker's would."""
+    it registers, as a worker's would, unless `reports_changes` is off (its heartbeats
+    then stay as stale as a heartbeat sent just before the change)."""
 
     def __init__(
         self,
         registered: list[str] | None = None,
         resident: list[str] | None = None,
         answer: Callable[[LoadLoRA | UnloadLoRA], tuple[int, str] | None] = lambda _: (200, "ok"),
+        reports_changes: bool = True,
     ) -> None:
         super().__init__(daemon=True)
         self.registered = list(registered or [])
         self.resident = list(resident or [])
         self.answer = answer
+        self.reports_changes = reports_changes
         self.generates: list[Generate] = []
         self.operations: list[LoadLoRA | UnloadLoRA] = []
         self.context = zmq.Context()
@@ -138,10 +141,11 @@ class FakeLoRAWorker(threading.Thread):
             return None
         status, text = answer
         name = operation.lora_name
-        if status == 200 and isinstance(operation, LoadLoRA):
-            self.registered.append(name)
-        elif status == 200:
-            self.registered.remove(name)
+        if status == 200 and self.reports_changes:
+            if isinstance(operation, LoadLoRA):
+                self.registered.append(name)
+            else:
+                self.registered.remove(name)
         return LoRAResult(op_id=operation.op_id, ok=status == 200, status=status, message=text)
 
     def run(self) -> None:
@@ -369,5 +373,25 @@ def test_a_silent_worker_is_a_timeout_not_a_hang() -> None:
                 outcomes = await pool.load_lora("gamma", "g", timeout_s=0.3)
                 assert time.monotonic() - started < 2
                 assert [(outcome.ok, outcome.status) for outcome in outcomes] == [(False, 504)]
+
+        run(main)
+
+
+def test_a_heartbeat_from_before_a_change_does_not_undo_it() -> None:
+    stale = FakeLoRAWorker(registered=["gamma"], reports_changes=False)
+    with fake_workers(stale):
+
+        async def main() -> None:
+            async with started_pool((stale,)) as pool:
+                await pool.unload_lora("gamma", timeout_s=5)
+                await pool.load_lora("delta", "d", timeout_s=5)
+                beats = pool.statuses()[0].last_heartbeat
+                await wait_until_async(
+                    lambda: pool.statuses()[0].last_heartbeat > beats, 2, "a later heartbeat"
+                )
+                assert pool.lora_adapters() == {"delta": "d"}
+                stats = pool.statuses()[0].stats
+                assert stats is not None
+                assert stats.lora_registered == ["delta"]
 
         run(main)

@@ -71,9 +71,9 @@ class WorkerMetrics(Collector):
              stats.num_waiting),
             ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
              kv_cache_usage(stats)),
-            ("duet:lora_resident", "LoRA adapters in the worker's slots now.",
+            ("duet_lora_resident", "LoRA adapters in the worker's slots now.",
              len(stats.lora_resident)),
-            ("duet:lora_registered", "LoRA adapters the worker can serve.",
+            ("duet_lora_registered", "LoRA adapters the worker can serve.",
              len(stats.lora_registered)),
         )  # fmt: skip
         for name, documentation, value in gauges:
@@ -89,8 +89,8 @@ class WorkerMetrics(Collector):
             ("vllm:prompt_tokens", "Number of prefill tokens processed.", self.prompt_tokens),
             ("vllm:generation_tokens", "Number of generation tokens processed.",
              self.generation_tokens),
-            ("duet:lora_loads", "LoRA adapters copied into a slot.", stats.lora_loads),
-            ("duet:lora_evictions",
+            ("duet_lora_loads", "LoRA adapters copied into a slot.", stats.lora_loads),
+            ("duet_lora_evictions",
              "Resident LoRA adapters displaced (least recently used) by another.",
              stats.lora_evictions),
         )  # fmt: skip

@@ -221,10 +221,10 @@ def test_the_worker_metrics_count_adapter_loads_and_evictions(tiny: Served) -> N
     lines = generate_latest(registry).decode().splitlines()
     stats = tiny.engine.stats()
     labels = '{engine="0",model_name="tiny"}'
-    assert f"duet:lora_loads_total{labels} {float(stats.lora_loads)}" in lines
-    assert f"duet:lora_evictions_total{labels} {float(stats.lora_evictions)}" in lines
-    assert f"duet:lora_registered{labels} {float(len(SPECS))}" in lines
-    assert f"duet:lora_resident{labels} 1.0" in lines
+    assert f"duet_lora_loads_total{labels} {float(stats.lora_loads)}" in lines
+    assert f"duet_lora_evictions_total{labels} {float(stats.lora_evictions)}" in lines
+    assert f"duet_lora_registered{labels} {float(len(SPECS))}" in lines
+    assert f"duet_lora_resident{labels} 1.0" in lines
 
 
 @pytest.mark.parametrize(

@@ -176,23 +176,32 @@ def method_table(args: argparse.Namespace, dtype: torch.dtype) -> list[str]:
     return lines
 
 
+FUSED = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+
+
 def planned_layer(
     slots: torch.Tensor,
     scales: torch.Tensor,
-    fused: tuple[tuple[str, ...], ...],
     inputs: dict[str, torch.Tensor],
-    outs: dict[str, torch.Tensor],
+    fused_outs: dict[str, torch.Tensor],
     targets: dict[str, Stacks],
 ) -> None:
-    """One plan (a step's, here charged to every layer), one gather per fused projection,
-    then each target's two batched matmuls and scatter, as `LoRAProjection` runs them."""
+    """One plan (a step's, here charged to every layer), then per fused projection one
+    gather, each part's two batched matmuls and one scatter, as `LoRAProjection` runs them."""
     batch = LoRABatch.plan(slots, scales)
     assert batch is not None
-    for names in fused:
-        grouped = batch.gather(inputs[names[0]])
+    for projection, names in FUSED.items():
+        parts, start = [], 0
         for n in names:
-            s = targets[n]
-            batch.add(outs[n], inputs[n], s.a, s.b, grouped)
+            width = LAYER_TARGETS[n][1]
+            parts.append((slice(start, start + width), targets[n].a, targets[n].b))
+            start += width
+        batch.add_parts(fused_outs[projection], inputs[projection], parts)
 
 
 def layer_share(args: argparse.Namespace, dtype: torch.dtype) -> list[str]:
@@ -218,8 +227,7 @@ def layer_share(args: argparse.Namespace, dtype: torch.dtype) -> list[str]:
             for n, s in targets.items()
         ]
         scales = targets["q_proj"].scales
-        fused = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"))
-        fused += (("down_proj",),)
+        fused_outs = {n: torch.zeros(rows, o, dtype=dtype) for n, (_, o) in LAYER_BASE.items()}
 
         def run_all(calls: list[functools.partial[object]]) -> None:
             for call in calls:
@@ -229,7 +237,7 @@ def layer_share(args: argparse.Namespace, dtype: torch.dtype) -> list[str]:
             {
                 "base": functools.partial(run_all, base_calls),
                 "planned": functools.partial(
-                    planned_layer, slots, scales, fused, inputs, outs, targets
+                    planned_layer, slots, scales, inputs, fused_outs, targets
                 ),
                 "per-slot": functools.partial(run_all, per_slot_calls),
             },

@@ -11,16 +11,19 @@ SGMV block order, for steps past `BGMV_MAX_ROWS` rows, is part of the plan); els
 torch: the rows sorted by slot and padded to equal groups over the span of slots present,
 then two batched matmuls over all groups at once (`[slots, rows, in] @ A.T @ B.T`), scaled
 and scattered back, rounding as PEFT does (`lora_A(x)` and `lora_B(...)` in the model
-dtype, then scaled). That is ~6 launches per projection whatever the number of adapters,
-where a matmul pair per slot took ~5 per adapter (bench/RESULTS.md, section lora, measures
-both). Gathering each row's A and B instead copies `rows * r_max * (in + out)` weights per
-call: 2.6-12x slower from 32 rows up. A batch on one adapter skips the gather and scatter.
+dtype, then scaled). The parts of a fused projection (q, k and v) share one gather of x
+and one scatter into the whole output row. That is a few launches per projection whatever
+the number of adapters, where a matmul pair per slot took ~5 per adapter (bench/RESULTS.md,
+section lora, measures both). Gathering each row's A and B instead copies `rows * r_max *
+(in + out)` weights per call: 2.6-12x slower from 32 rows up. A batch on one adapter skips
+the gather and scatter.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -101,50 +104,68 @@ class LoRABatch:
             groups=_group(slots, counts, present, scales),
         )
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The torch path's grouped rows of `x` `[groups, group_size, in]`, shared by the
-        parts of one projection (q, k and v read the same x); None elsewhere."""
-        groups = self.groups
-        if groups is None:
-            return None
-        grouped = x.index_select(0, groups.gather_rows)
-        return grouped.view(groups.num_groups, groups.group_size, x.shape[1])
-
     def add(
         self,
         y: torch.Tensor,
         x: torch.Tensor,
         a_stack: torch.Tensor,
         b_stack: torch.Tensor,
-        grouped_x: torch.Tensor | None = None,
     ) -> None:
         """`y[i] += scales[s] * (x[i] @ a_stack[s].T) @ b_stack[s].T` for each row i of an
-        adapter slot s, in place; y `[rows, out]` may be a column view of a fused output.
-        `grouped_x` is `gather(x)` when the caller has it."""
-        if x.shape[0] == 0:
+        adapter slot s, in place; y `[rows, out]` may be a column view of a fused output."""
+        self.add_parts(y, x, [(slice(0, y.shape[1]), a_stack, b_stack)])
+
+    def add_parts(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        parts: Sequence[tuple[slice, torch.Tensor, torch.Tensor]],
+    ) -> None:
+        """`add` for the parts of one fused projection that read the same x: each part's
+        `(columns, a_stack, b_stack)` in column order. The torch path gathers x once and
+        scatters all parts' updates into y in one `index_add_` over their columns (on a
+        whole, contiguous output row that is ~6x faster than into a column view)."""
+        if x.shape[0] == 0 or not parts:
             return
         if self.whole_batch_slot is not None:
             slot = self.whole_batch_slot
-            shrunk = F.linear(x, a_stack[slot])
-            y += F.linear(shrunk, b_stack[slot]) * self.whole_batch_scale
+            for columns, a_stack, b_stack in parts:
+                shrunk = F.linear(x, a_stack[slot])
+                y[:, columns] += F.linear(shrunk, b_stack[slot]) * self.whole_batch_scale
             return
         groups = self.groups
         if groups is None:
             from kernels.lora import lora_add
 
-            lora_add(y, x, a_stack, b_stack, self.scales, self.row_slots, blocks=self.sgmv_blocks)
+            for columns, a_stack, b_stack in parts:
+                lora_add(
+                    y[:, columns],
+                    x,
+                    a_stack,
+                    b_stack,
+                    self.scales,
+                    self.row_slots,
+                    blocks=self.sgmv_blocks,
+                )
             return
-        if grouped_x is None:
-            grouped_x = self.gather(x)
-            assert grouped_x is not None
+        grouped_x = x.index_select(0, groups.gather_rows)
+        grouped_x = grouped_x.view(groups.num_groups, groups.group_size, x.shape[1])
         span = slice(groups.first, groups.first + groups.num_groups)
-        shrunk = torch.bmm(grouped_x, a_stack[span].transpose(1, 2))
-        delta = torch.bmm(shrunk, b_stack[span].transpose(1, 2))
+        pieces: list[torch.Tensor] = []
+        start = cursor = parts[0][0].start
+        for columns, a_stack, b_stack in parts:
+            if columns.start > cursor:  # a part no adapter of the step adapts: zeros
+                gap = (groups.num_groups, groups.group_size, columns.start - cursor)
+                pieces.append(grouped_x.new_zeros(gap))
+            shrunk = torch.bmm(grouped_x, a_stack[span].transpose(1, 2))
+            pieces.append(torch.bmm(shrunk, b_stack[span].transpose(1, 2)))
+            cursor = columns.stop
+        delta = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
         delta.mul_(groups.scales)
         flat = delta.view(-1, delta.shape[2])
         if groups.real_positions is not None:
             flat = flat.index_select(0, groups.real_positions)
-        y.index_add_(0, groups.target_rows, flat)
+        y[:, start:cursor].index_add_(0, groups.target_rows, flat)
 
 
 def _group(

@@ -97,14 +97,15 @@ class LoRAProjection(nn.Module):
         batch, active = self.state.batch, self.state.active
         if batch is not None:
             stacks = self.state.slots.stacks
-            grouped_x: torch.Tensor | None = None
-            for part in self.parts:
-                if active is not None and part.key not in active:
-                    continue
-                if grouped_x is None:  # one gather serves q, k and v (gate and up)
-                    grouped_x = batch.gather(x)
-                a_stack, b_stack = stacks[part.key]
-                batch.add(y[:, part.columns], x, a_stack, b_stack, grouped_x)
+            batch.add_parts(
+                y,
+                x,
+                [
+                    (part.columns, *stacks[part.key])
+                    for part in self.parts
+                    if active is None or part.key in active
+                ],
+            )
         if row_parallel is not None:
             y = all_reduce_(row_parallel.group, y)
         return y

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.lora.batched import add_lora
+from gpu_worker.lora.batched import LoRABatch, add_lora
 
 SLOTS, R_MAX, IN, OUT = 3, 16, 24, 20
 RANKS = (16, 8, 4)  # slot 1 and 2 padded with zeros past their rank
@@ -104,3 +104,25 @@ def test_bf16_stays_within_rounding_of_the_reference() -> None:
     expected = _reference(y, x, a, b, scales, row_slots)
     add_lora(y, x, a, b, scales, row_slots)
     torch.testing.assert_close(y.double(), expected, atol=5e-2, rtol=2e-2)
+
+
+def test_fused_parts_share_one_scatter_and_leave_skipped_columns() -> None:
+    """Two parts of one fused output (a skipped part's columns between them, as when no
+    adapter of the step adapts k): each gets its own update, the gap keeps its values."""
+    a, b, scales = _adapters(torch.float32)
+    a2, b2, _ = _adapters(torch.float32, seed=5)
+    row_slots = torch.tensor([1, -1, 0, 2, 0, 2], dtype=torch.int32)
+    x, _ = _inputs(6, torch.float32)
+    gap = 3
+    fused = torch.randn(6, 2 * OUT + gap, generator=torch.Generator().manual_seed(8))
+    first, second = slice(0, OUT), slice(OUT + gap, 2 * OUT + gap)
+    expected_first = _reference(fused[:, first], x, a, b, scales, row_slots)
+    expected_second = _reference(fused[:, second], x, a2, b2, scales, row_slots)
+    before = fused.clone()
+    batch = LoRABatch.plan(row_slots, scales)
+    assert batch is not None
+    assert batch.groups is not None
+    batch.add_parts(fused, x, [(first, a, b), (second, a2, b2)])
+    torch.testing.assert_close(fused[:, first].double(), expected_first, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused[:, second].double(), expected_second, atol=1e-5, rtol=1e-5)
+    assert torch.equal(fused[:, OUT : OUT + gap], before[:, OUT : OUT + gap])

@@ -170,7 +170,10 @@ class Engine:
         config = self.config
         if not config.enable_lora:
             return None
-        targets = lora_targets(rank.model)
+        try:
+            targets = lora_targets(rank.model)
+        except NotImplementedError as exc:  # a family without the Llama layout
+            raise ValueError(f"--enable-lora: {exc}") from exc
         slots = LoRASlots(
             config.max_loras,
             config.max_lora_rank,

@@ -169,7 +169,7 @@ class _WorkerCollector(Collector):
         )
         # vLLM's adapter info gauge (its value the time of the figures): the adapters of
         # our requests on the worker, running where resident in a slot, else waiting for
-        # one, and the worker's slot count. Only for workers with LoRA on.
+        # one, and the worker's slot count. Only for workers that serve adapters.
         lora_info = GaugeMetricFamily(
             "vllm:lora_requests_info",
             "Running stats on lora requests.",
@@ -208,14 +208,15 @@ class _WorkerCollector(Collector):
             vllm_kv_usage.add_metric(vllm_key, usage)
             queries.add_metric(vllm_key, stats.prefix_cache_queries)
             hits.add_metric(vllm_key, stats.prefix_cache_hits)
+            if not stats.lora_registered:
+                continue  # serves no adapter (or runs without LoRA)
             card = status.model_card
-            if card is None or card.max_loras == 0:
-                continue
+            max_loras = card.max_loras if card is not None else 0
             resident = set(stats.lora_resident)
             in_flight = status.in_flight_adapters
             lora_info.add_metric(
                 [
-                    str(card.max_loras),
+                    str(max_loras),
                     ",".join(sorted(in_flight & resident)),
                     ",".join(sorted(in_flight - resident)),
                     status.address,

@@ -73,6 +73,9 @@ class LoRASlots:
         """Adapters copied into a slot."""
         self.num_evictions = 0
         """Resident adapters pushed out to make room for another."""
+        self._loads: dict[int, str] = {}
+        """Slot -> the adapter last copied into it since the last `take_loads` (bounded by
+        the slots, whether or not anyone takes them)."""
 
     @property
     def resident(self) -> list[str]:
@@ -114,6 +117,27 @@ class LoRASlots:
             slots[name] = slot
         return slots
 
+    def take_loads(self) -> list[tuple[str, int]]:
+        """The (adapter, slot) copies made since the last call, in order: what a tensor-
+        parallel leader sends its followers with the step, so their slots mirror its own."""
+        loads, self._loads = self._loads, {}
+        return [(name, slot) for slot, name in loads.items()]
+
+    def fill(self, adapter: LoRAAdapter, slot: int) -> None:
+        """Copy `adapter` into `slot` itself, replacing whatever it held: a TP follower
+        repeating its leader's `take_loads` (its own shard of the same adapter)."""
+        if not 0 <= slot < self.max_loras:
+            raise ValueError(f"slot {slot} is not one of the {self.max_loras} slots")
+        for name, held in list(self._slot_of.items()):
+            if held == slot or name == adapter.name:
+                del self._slot_of[name]
+                if held != slot:
+                    self._clear(held)
+        self._check(adapter)
+        self._copy_in(adapter, slot)
+        self._slot_of[adapter.name] = slot
+        self.num_loads += 1
+
     def remove(self, name: str) -> bool:
         """Empty adapter `name`'s slot (an unload); False if it was not resident."""
         slot = self._slot_of.pop(name, None)
@@ -122,16 +146,20 @@ class LoRASlots:
         self._clear(slot)
         return True
 
-    def _activate(self, adapter: LoRAAdapter, pinned: frozenset[str]) -> int:
+    def _check(self, adapter: LoRAAdapter) -> None:
         if adapter.rank > self.max_lora_rank:
             raise ValueError(f"rank {adapter.rank} exceeds the slots' {self.max_lora_rank}")
         unknown = set(adapter.weights) - set(self.stacks)
         if unknown:
             raise ValueError(f"adapter {adapter.name!r} targets projections the model lacks")
+
+    def _activate(self, adapter: LoRAAdapter, pinned: frozenset[str]) -> int:
+        self._check(adapter)
         slot = self._slot_of.get(adapter.name)
         if slot is None:
             slot = self._free_slot(pinned)
         self._copy_in(adapter, slot)
+        self._loads[slot] = adapter.name
         self._slot_of[adapter.name] = slot
         self._slot_of.move_to_end(adapter.name)
         self.num_loads += 1

@@ -183,3 +183,28 @@ def test_an_evicted_slot_serves_its_new_adapter_only(tiny: Served) -> None:
     for seq, name in [(0, "gd"), (1, "qv")]:
         expected = _peft_logits(tiny.peft, name, batch[seq])
         torch.testing.assert_close(logits[seq], expected, atol=1e-4, rtol=0)
+
+
+def test_a_followers_slots_mirror_the_leaders_loads(tiny: Served) -> None:
+    """A TP follower repeats its leader's `take_loads` with `fill`: the same adapters in the
+    same slots, so the leader's per-row slots name the same adapters on every rank."""
+    shapes = target_shapes(tiny.config)
+    cpu = torch.device("cpu")
+    leader = LoRASlots(2, MAX_LORA_RANK, shapes, cpu, torch.float32)
+    follower = LoRASlots(2, MAX_LORA_RANK, shapes, cpu, torch.float32)
+    leader.acquire(["qv", "gd"], tiny.load)
+    first = leader.take_loads()
+    assert sorted(first) == sorted((n, leader.slot_of(n)) for n in ("qv", "gd"))
+    leader.acquire(["gd"], tiny.load)  # resident: no copy
+    leader.acquire(["all"], tiny.load)  # evicts the least recently used, "qv"
+    second = leader.take_loads()
+    assert second == [("all", first[[n for n, _ in first].index("qv")][1])]
+    for name, slot in first + second:
+        follower.fill(tiny.adapters[name], slot)
+    assert sorted(follower.resident) == sorted(leader.resident) == ["all", "gd"]
+    assert all(follower.slot_of(n) == leader.slot_of(n) for n in leader.resident)
+    for key, (a, b) in leader.stacks.items():
+        assert torch.equal(follower.stacks[key][0], a)
+        assert torch.equal(follower.stacks[key][1], b)
+    assert torch.equal(follower.scales, leader.scales)
+    assert leader.take_loads() == []

@@ -118,7 +118,7 @@ def _paged_decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    seq_len = tl.load(seq_lens_ptr + seq)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)  # int64 lengths too: one offset type
     # The query sits at seq_len - 1 and sees keys (seq_len - 1 - window, seq_len - 1]: every
     # key of [first, seq_len) is visible, so the loop below needs no window mask.
     first = tl.maximum(seq_len - window, 0) if HAS_WINDOW else 0
@@ -221,7 +221,7 @@ def _combine_splits_kernel(
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)  # int64 lengths too: one offset type
     first = tl.maximum(seq_len - window, 0) if HAS_WINDOW else 0
     # The splits that held keys; the rest exited without writing. None for an empty
     # sequence (a CUDA graph's padding row): it gets zeros.

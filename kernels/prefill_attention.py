@@ -190,13 +190,14 @@ def _paged_prefill_kernel(
     tile = num_tiles - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int32)
+    q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int32) - q_start
     t0 = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
     if t0 >= q_len:
         return
-    seq_len = tl.load(seq_lens_ptr + seq)
-    context_len = tl.load(context_lens_ptr + seq)
+    # int32 whichever width the lengths come in, so loop-carried offsets keep one type.
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)

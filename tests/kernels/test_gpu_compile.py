@@ -91,7 +91,16 @@ for splits, window, softcap in ((1, False, 0.0), (4, False, 0.0), (1, True, 0.0)
                   HAS_WINDOW=window, SOFTCAP=softcap, **decode)
     print("decode-variant pipeline 3", *pipelining(ttgir), flush=True)
 build(paged_attention._combine_splits_kernel, "bf16", SPLITS_PAD=8, HEAD_DIM=128)
+# int64 lengths (a caller's `.long()`), which the kernels accept: loop-carried offsets must
+# keep one type whichever width the lengths load with (the H200's first run caught this).
+wide = {"seq_lens_ptr": "*i64", "context_lens_ptr": "*i64", "query_start_loc_ptr": "*i64"}
+for splits in (1, 4):
+    build(paged_attention._paged_decode_kernel, "fp16", pointers=wide, SINGLE_SPLIT=splits == 1,
+          HAS_WINDOW=False, SOFTCAP=0.0, **dict(decode, GROUP=2, HEAD_DIM=64))
+build(paged_attention._combine_splits_kernel, "fp16", pointers=wide, SPLITS_PAD=2, HEAD_DIM=64)
 prefill = dict(prefill, BLOCK_N=64)
+build(prefill_attention._paged_prefill_kernel, "bf16", 8, pointers=wide, BLOCK_M=128,
+      BLOCK_Q=32, HAS_WINDOW=True, SOFTCAP=0.0, **prefill)
 for window in (False, True):
     build(prefill_attention._paged_prefill_kernel, "bf16", 8, BLOCK_M=128, BLOCK_Q=32,
           HAS_WINDOW=window, SOFTCAP=0.0, **prefill)
@@ -138,7 +147,8 @@ def test_kernels_compile_for_sm90():
         timeout=240,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    assert result.stdout.count("compiled") == 23 + 6 + 12 + 8, result.stdout
+    # 4 of them with int64 lengths (3 attention kernels).
+    assert result.stdout.count("compiled") == 23 + 6 + 12 + 8 + 4, result.stdout
     pipelines = [line.split() for line in result.stdout.splitlines() if "pipeline" in line]
     assert len(pipelines) == 6 + 12 + 6  # decode and prefill configs, decode variants
     for kernel, _, stages, buffers, in_flight in pipelines:

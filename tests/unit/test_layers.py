@@ -67,6 +67,7 @@ ALLOWED: dict[str, set[str]] = {
     "gpu_worker.engine": {
         "gpu_worker.core",
         "gpu_worker.distributed",
+        "gpu_worker.lora",
         "gpu_worker.runner",
         "gpu_worker.sampling",
         "gpu_worker.loader",

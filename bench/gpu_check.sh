@@ -11,7 +11,7 @@
 # bench/random_model.py), then runs four steps, each under its own limit (the LIMITS below),
 # never past BUDGET_S (520 s) in all:
 #   kernel-tests   tests/kernels (the engine tests aside), on CUDA
-#   engine-tests   tests/kernels/test_cuda_graphs.py tests/unit/test_kv_sizing.py -m cuda:
+#   engine-tests   tests/kernels/test_cuda_graphs.py, test_kv_sizing.py, test_lora_engine.py -m cuda:
 #                  graphs = eager, Triton ~ torch, the profiled KV budget holds at 0.95
 #   kernel-bench   bench/kernels.py: decode (batch 1/32/256 x context 1k/8k/32k) against copy
 #                  bandwidth and SDPA, prefill TFLOP/s against SDPA
@@ -182,7 +182,7 @@ else
     # With the KV sizing's CUDA tests: the profiled budget at --gpu-memory-utilization 0.95
     # holds through a max-size prefill and a max-batch decode.
     step engine-tests "${LIMITS[2]}" tests.txt "${pytest[@]}" "${engine_marks[@]}" \
-        tests/kernels/test_cuda_graphs.py tests/unit/test_kv_sizing.py
+        tests/kernels/test_cuda_graphs.py tests/unit/test_kv_sizing.py tests/unit/test_lora_engine.py
 fi
 
 # ---- benchmarks -------------------------------------------------------------------------

@@ -9,9 +9,10 @@ is read by every projection of the step (7 per decoder layer), so no projection 
 counts or syncs. On CUDA with Triton installed `add` runs the punica-style kernels (the
 SGMV block order, for steps past `BGMV_MAX_ROWS` rows, is part of the plan); elsewhere
 torch: the rows sorted by slot and padded to equal groups over the span of slots present,
-then two batched matmuls over all groups at once (`[slots, rows, in] @ A.T @ B.T`), scaled
-and scattered back, rounding as PEFT does (`lora_A(x)` and `lora_B(...)` in the model
-dtype, then scaled). The parts of a fused projection (q, k and v) share one gather of x
+then two batched matmuls over all groups at once (`[slots, rows, in] @ A.T @ B.T`) and
+scattered back. PEFT rounds `lora_A(x)` and `lora_B(...)` to the model dtype, then scales;
+here the scale multiplies `lora_A(x)` (r wide, not out), which differs from PEFT by a
+rounding (1e-7 relative in fp32). The parts of a fused projection (q, k and v) share one gather of x
 and one scatter into the whole output row. That is a few launches per projection whatever
 the number of adapters, where a matmul pair per slot took ~5 per adapter (bench/RESULTS.md,
 section lora, measures both). Gathering each row's A and B instead copies `rows * r_max *
@@ -128,10 +129,7 @@ class LoRABatch:
         if x.shape[0] == 0 or not parts:
             return
         if self.whole_batch_slot is not None:
-            slot = self.whole_batch_slot
-            for columns, a_stack, b_stack in parts:
-                shrunk = F.linear(x, a_stack[slot])
-                y[:, columns] += F.linear(shrunk, b_stack[slot]) * self.whole_batch_scale
+            self._add_one_adapter(y, x, parts, self.whole_batch_slot)
             return
         groups = self.groups
         if groups is None:
@@ -158,14 +156,32 @@ class LoRABatch:
                 gap = (groups.num_groups, groups.group_size, columns.start - cursor)
                 pieces.append(grouped_x.new_zeros(gap))
             shrunk = torch.bmm(grouped_x, a_stack[span].transpose(1, 2))
+            shrunk.mul_(groups.scales)  # [groups, rows, r]: cheaper than scaling the update
             pieces.append(torch.bmm(shrunk, b_stack[span].transpose(1, 2)))
             cursor = columns.stop
         delta = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
-        delta.mul_(groups.scales)
         flat = delta.view(-1, delta.shape[2])
         if groups.real_positions is not None:
             flat = flat.index_select(0, groups.real_positions)
         y[:, start:cursor].index_add_(0, groups.target_rows, flat)
+
+    def _add_one_adapter(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        parts: Sequence[tuple[slice, torch.Tensor, torch.Tensor]],
+        slot: int,
+    ) -> None:
+        """Every row on one adapter: one shrink of x by all parts' A at once (x is read
+        once, which matters at prefill sizes), scaled at rank width, then each part's
+        expand accumulated straight into its columns of y (`addmm_`, no update tensor)."""
+        a_all = [a_stack[slot] for _, a_stack, _ in parts]
+        a_cat = a_all[0] if len(a_all) == 1 else torch.cat(a_all)
+        shrunk = F.linear(x, a_cat)
+        shrunk.mul_(self.whole_batch_scale)
+        rank = a_all[0].shape[0]  # every stack's r_max
+        for i, (columns, _, b_stack) in enumerate(parts):
+            y[:, columns].addmm_(shrunk[:, i * rank : (i + 1) * rank], b_stack[slot].T)
 
 
 def _group(

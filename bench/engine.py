@@ -41,11 +41,13 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import os
 import platform
 import random
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,6 +56,7 @@ from typing import Any
 
 import torch
 from results_md import command_line, write_section
+from safetensors.torch import save_file
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
@@ -582,6 +585,130 @@ def write_tp_section(
     write_section("engine-tp", body)
 
 
+LORA_TARGET_SHAPES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_RANK = 16
+
+
+def write_random_adapters(engine: Engine, count: int, out: Path) -> list[str]:
+    """`count` random PEFT adapters (rank 16, all 7 targets of every layer) in `out`;
+    returns `--lora-modules` entries (name=path)."""
+    mc = engine.model_config
+    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    hidden, inner = mc.hidden_size, mc.intermediate_size
+    shapes = {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, inner),
+        "up_proj": (hidden, inner),
+        "down_proj": (inner, hidden),
+    }
+    modules = []
+    for index in range(count):
+        name = f"adapter{index}"
+        gen = torch.Generator().manual_seed(index)
+        tensors = {}
+        for layer in range(mc.num_layers):
+            for target, (in_f, out_f) in shapes.items():
+                block = "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+                prefix = f"base_model.model.model.layers.{layer}.{block}.{target}"
+                a = torch.randn(LORA_RANK, in_f, generator=gen) / in_f**0.5
+                tensors[f"{prefix}.lora_A.weight"] = a
+                tensors[f"{prefix}.lora_B.weight"] = (
+                    torch.randn(out_f, LORA_RANK, generator=gen) * 0.01
+                )
+        adapter_dir = out / name
+        adapter_dir.mkdir()
+        save_file(tensors, str(adapter_dir / "adapter_model.safetensors"))
+        config = {
+            "peft_type": "LORA",
+            "r": LORA_RANK,
+            "lora_alpha": 2 * LORA_RANK,
+            "target_modules": list(LORA_TARGET_SHAPES),
+        }
+        (adapter_dir / "adapter_config.json").write_text(json.dumps(config))
+        modules.append(f"{name}={adapter_dir}")
+    return modules
+
+
+def run_lora(args: argparse.Namespace, work: Workload) -> list[str]:
+    """tok/s at 32 concurrent, requests round-robin over N adapters, against the base model
+    on the same engine (LoRA on, base-only steps skip the adapters), for each N."""
+    concurrency = 32
+    case = work.head(concurrency)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in case.output_lens
+    ]
+    most = max(args.lora)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = Engine(model=args.model, device=args.device, kv_cache_memory_gb=0.01)
+        modules = write_random_adapters(probe, most, Path(tmp))
+        del probe
+        engine = Engine(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtypes[0],
+            max_num_seqs=concurrency,
+            kv_cache_memory_gb=args.kv_cache_memory_gb,
+            enable_lora=True,
+            max_loras=most,
+            max_lora_rank=LORA_RANK,
+            lora_modules=modules,
+        )
+        names = [module.split("=", 1)[0] for module in modules]
+
+        def rate(adapters: int) -> float:
+            lora_names: list[str | None] = [
+                None if adapters == 0 else names[i % adapters] for i in range(len(case.prompts))
+            ]
+            engine.reset_prefix_cache()
+            clock = Clock.measure(
+                lambda: engine.generate(case.prompts, params, lora_names=lora_names)
+            )
+            return case.useful_tokens / clock.wall
+
+        rate(0)  # warm-up
+        for adapters in [0, *args.lora]:
+            rate(adapters)  # each side warm once (slot fills), then timed
+        for adapters in args.lora:
+            base = statistics.median(rate(0) for _ in range(args.repeats))
+            lora = statistics.median(rate(adapters) for _ in range(args.repeats))
+            rows.append(
+                f"| {adapters} | {base:.1f} | {lora:.1f} | **{lora / base:.2f}x** "
+                f"| {(1 - lora / base) * 100:.0f}% |"
+            )
+            print(rows[-1], flush=True)
+    return rows
+
+
+def write_lora_section(args: argparse.Namespace, case_tokens: str, rows: list[str]) -> None:
+    body = "\n".join(
+        [
+            "## engine-lora",
+            "",
+            f"`{command_line()}`",
+            "",
+            f"Machine: {cpu_model()}; {machine()}; load average {load_average()}.",
+            "",
+            f"SmolLM2-135M-Instruct, {args.dtypes[0]}, 32 concurrent requests ({case_tokens}), "
+            "greedy with ignore_eos, whole-workload tok/s (decode-dominated); the LoRA side "
+            "spreads the requests round-robin over N random PEFT adapters (rank 16, all 7 "
+            "targets of every layer), the base side names none, both on one engine with "
+            f"--enable-lora --max-loras {max(args.lora)}, alternating, medians of "
+            f"{args.repeats}. Issue target: 8 adapters at most 30% slower than the base.",
+            "",
+            "| adapters | base tok/s | LoRA tok/s | LoRA / base | slower by |",
+            "|---:|---:|---:|---:|---:|",
+            *rows,
+        ]
+    )
+    print(body)
+    if not args.no_write:
+        write_section("engine-lora", body)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
@@ -623,6 +750,12 @@ def main() -> None:
         action="store_true",
         help="32 prompts, outputs up to 64, 8 prompts serially, 64-token single stream",
     )
+    parser.add_argument(
+        "--lora",
+        type=int,
+        nargs="+",
+        help="instead: 32 concurrent requests over N random adapters against the base model",
+    )
     parser.add_argument("--no-write", action="store_true", help="do not update RESULTS.md")
     args = parser.parse_args()
     if args.quick:
@@ -642,6 +775,12 @@ def main() -> None:
         flush=True,
     )
     load_at_start = load_average()
+    if args.lora:
+        case = work.head(32)
+        lora_rows = run_lora(args, work)
+        tokens = f"prompts of {min(map(len, case.prompts))}-{max(map(len, case.prompts))} tokens"
+        write_lora_section(args, f"{tokens}, {case.useful_tokens} output tokens", lora_rows)
+        return
     if args.tensor_parallel_size > 1:
         tp_rows = [row for dtype in args.dtypes for row in run_tp_dtype(args, dtype, work)]
         write_tp_section(args, work, tp_rows, load_at_start)

@@ -182,10 +182,6 @@ class EngineConfig:
                 f"max_loras ({self.max_loras}) and max_lora_rank ({self.max_lora_rank}) "
                 "must be positive"
             )
-        if self.tensor_parallel_size > 1:
-            # The layers shard adapters, but the followers' slots and per-step rows are not
-            # carried by the TP step yet: refuse rather than serve rank 0's adapters only.
-            raise ValueError("--enable-lora does not work with --tensor-parallel-size > 1 yet")
         self.lora_module_paths()  # a malformed entry fails at start
 
     def lora_module_paths(self) -> dict[str, Path]:

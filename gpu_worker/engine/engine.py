@@ -10,7 +10,8 @@ the offline API for batch inference without HTTP:
 
 With `enable_lora`, requests name registered LoRA adapters (`Generate.lora_name`); the
 registry (`gpu_worker.lora.manager`) holds them in CPU memory, the runner makes each step's
-adapters resident in slots and one forward pass mixes them with base-model rows.
+adapters resident in slots and one forward pass mixes them with base-model rows. Under
+tensor parallelism the registry is rank 0's; its slot changes travel with each step.
 """
 
 from __future__ import annotations
@@ -31,12 +32,11 @@ from gpu_worker.core.sequence import FinishReason, Sequence
 from gpu_worker.distributed.group import TPGroup
 from gpu_worker.engine.errors import RequestRejected
 from gpu_worker.engine.profile_sampling import profile_sampling
-from gpu_worker.engine.rank import RankModel, build_runner, load_rank_model
+from gpu_worker.engine.rank import RankModel, attach_lora_slots, build_runner, load_rank_model
 from gpu_worker.engine.tp_worker import TPLeader
-from gpu_worker.lora.layers import LoRAState, attach_lora, lora_targets
+from gpu_worker.lora.layers import LoRAState
 from gpu_worker.lora.manager import LoRAConflictError, LoRARegistry
 from gpu_worker.lora.paths import InvalidLoRAError, LoRAError
-from gpu_worker.lora.slots import LoRASlots
 from gpu_worker.runner.device import resolve_device
 from gpu_worker.sampling.prompt_logprobs import record_prompt_logprobs, score_prompt_rows
 from gpu_worker.sampling.sampler import Sampler, SamplerOutput, new_sampler_state
@@ -167,24 +167,12 @@ class Engine:
     def _build_lora(self, rank: RankModel) -> tuple[LoRARegistry, LoRAState] | None:
         """The LoRA slots wrapped into the model and the registry over them, holding the
         --lora-modules (a bad one fails the start); None when LoRA is off."""
-        config = self.config
-        if not config.enable_lora:
+        attached = attach_lora_slots(self.config, rank)
+        if attached is None:
             return None
-        try:
-            targets = lora_targets(rank.model)
-        except NotImplementedError as exc:  # a family without the Llama layout
-            raise ValueError(f"--enable-lora: {exc}") from exc
-        slots = LoRASlots(
-            config.max_loras,
-            config.max_lora_rank,
-            {key: target.shape for key, target in targets.items()},
-            rank.device,
-            rank.dtype,
-            {key: target.shard for key, target in targets.items()},
-        )
-        state = attach_lora(rank.model, slots)
-        registry = LoRARegistry(slots, rank.model_config, config.lora_root)
-        for name, path in config.lora_module_paths().items():
+        slots, state = attached
+        registry = LoRARegistry(slots, rank.model_config, self.config.lora_root)
+        for name, path in self.config.lora_module_paths().items():
             try:
                 registry.register_trusted(name, path)
             except LoRAError as exc:  # a ValueError, as every bad engine argument is
@@ -322,7 +310,7 @@ class Engine:
             if output.is_empty:
                 return []
             released, self._tp_released = self._tp_released, []
-            run = self._tp.step(self.runner, output.scheduled, released)
+            run = self._tp.step(self.runner, output.scheduled, released, self.lora)
         else:
             # Before this step's rows are laid out: an id that left may be back as a new
             # request.

@@ -3,7 +3,9 @@
 One path for all: an engine without tensor parallelism is rank 0 of a world of one, and
 the ranks of a TP group each build the same steps from the same `EngineConfig`:
 
-1. `load_rank_model`: the model on the rank's device, sharded over the group's ranks.
+1. `load_rank_model`: the model on the rank's device, sharded over the group's ranks;
+   with LoRA on, `attach_lora_slots` wraps it over the rank's adapter slots (its shard of
+   each adapter; the same slots on every rank).
 2. `build_runner`: the KV cache, sized by a profiling run on CUDA (every rank profiles its
    own device) or by the configured size, then the same number of blocks on every rank,
    the smallest any rank can afford (a MIN all-reduce: rank 0's block ids index every
@@ -32,6 +34,8 @@ from gpu_worker.core.config import EngineConfig
 from gpu_worker.distributed.group import TPGroup
 from gpu_worker.distributed.sharding import local_heads
 from gpu_worker.loader import load_model
+from gpu_worker.lora.layers import LoRAState, attach_lora, lora_targets
+from gpu_worker.lora.slots import LoRASlots
 from gpu_worker.models.base import CausalLM
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.ops.layer_ops import get_layer_ops
@@ -83,6 +87,27 @@ def load_rank_model(config: EngineConfig, source: ModelSource, group: TPGroup) -
     return RankModel(model, mc, local, attn_backend, backend_name, device, dtype)
 
 
+def attach_lora_slots(config: EngineConfig, rank: RankModel) -> tuple[LoRASlots, LoRAState] | None:
+    """With `enable_lora`, the rank's `max_loras` adapter slots (this rank's shapes and
+    shards) and the model wrapped over them; None when LoRA is off. Before `build_runner`:
+    the KV cache is sized with the slots already allocated."""
+    if not config.enable_lora:
+        return None
+    try:
+        targets = lora_targets(rank.model)
+    except NotImplementedError as exc:  # a family without the Llama layout
+        raise ValueError(f"--enable-lora: {exc}") from exc
+    slots = LoRASlots(
+        config.max_loras,
+        config.max_lora_rank,
+        {key: target.shape for key, target in targets.items()},
+        rank.device,
+        rank.dtype,
+        {key: target.shard for key, target in targets.items()},
+    )
+    return slots, attach_lora(rank.model, slots)
+
+
 def decode_graph_batch_size(
     config: EngineConfig, device: torch.device, backend_name: str
 ) -> int | None:
@@ -102,11 +127,11 @@ def build_runner(
     rank: RankModel,
     group: TPGroup,
     post_forward: PostForward,
-    lora: tuple[AdapterSlots, AdapterRows] | None = None,
+    lora: tuple[AdapterSlots | None, AdapterRows] | None = None,
 ) -> ModelRunner:
     """The rank's runner: its KV cache (sized on CUDA by a profiling run whose steps end
-    in `post_forward`), the autotuners run, its LoRA adapters (`ModelRunner.use_lora`)
-    and the decode graphs captured."""
+    in `post_forward`), the autotuners run, its LoRA adapters (`ModelRunner.use_lora`:
+    rank 0's registry, none on a follower) and the decode graphs captured."""
     max_model_len = config.context_limit(rank.model_config.max_position_embeddings)
     graph_batch_size = decode_graph_batch_size(config, rank.device, rank.backend_name)
     memory = _profile_memory(config, rank, max_model_len, graph_batch_size, post_forward)

@@ -12,6 +12,11 @@ their logits (only rank 0 gets full ones once the LM head gathers) are dropped. 
 with prompt-logprob rows ends, on rank 0, in their scoring, whose logits are gathers too:
 each follower joins them (`follow_prompt_scoring`) before it waits for the next step.
 
+With LoRA, rank 0 makes the step's adapters resident in its slots first, and the step
+carries each sequence's slot and what changed in rank 0's registry since the last step
+(`LoRASync`: the adapters unregistered, the slots filled and from which path); a
+follower's `LoRAMirror` repeats the changes on its own slots before it runs the step.
+
 Over a world of 1, `lead_step` is `prepare` plus `execute_host`: nothing is encoded.
 
 The wire is data only (msgspec, typed decoding): arrays travel as bytes with their dtype
@@ -30,6 +35,7 @@ from gpu_worker.attention.metadata import BatchLayout
 from gpu_worker.core.scheduler import ScheduledSequence
 from gpu_worker.distributed.comm import broadcast_step
 from gpu_worker.distributed.group import TPGroup
+from gpu_worker.lora.manager import LoRAMirror, LoRARegistry, LoRASync
 from gpu_worker.runner.block_table import BlockTableStep
 from gpu_worker.runner.model_runner import HostBatch, ModelRunner, RunnerOutput
 from gpu_worker.sampling.prompt_logprobs import follow_prompt_scoring
@@ -85,22 +91,35 @@ class StepMessage(msgspec.Struct, array_like=True, frozen=True):
     """Requests rank 0 released before preparing this step (the scheduler's
     `finished_request_ids`): a follower releases them too, keeping its runner's per-request
     state rank 0's."""
+    adapter_slots: WireArray | None = None
+    """Each sequence's LoRA slot (-1: the base model); None for a base-only step."""
+    lora: LoRASync | None = None
+    """Rank 0's registry and slot changes since the last step (None: LoRA is off)."""
 
 
 @dataclass(frozen=True)
 class FollowerStep:
-    """A decoded step: the batch to run and the requests to release before it."""
+    """A decoded step: the batch to run, the requests to release before it, and its LoRA
+    slots and slot changes."""
 
     batch: HostBatch
     released: list[str]
+    adapter_slots: np.ndarray | None = None
+    lora: LoRASync | None = None
 
 
 _decoder = msgspec.msgpack.Decoder(StepMessage)
 _encoder = msgspec.msgpack.Encoder()
 
 
-def encode_step(batch: HostBatch, released: list[str]) -> bytes:
-    """The bytes rank 0 broadcasts for `batch`, prepared after releasing `released`."""
+def encode_step(
+    batch: HostBatch,
+    released: list[str],
+    adapter_slots: np.ndarray | None = None,
+    lora: LoRASync | None = None,
+) -> bytes:
+    """The bytes rank 0 broadcasts for `batch`, prepared after releasing `released`, with
+    its sequences' LoRA slots and the slot changes `lora` made before it."""
     layout, table = batch.layout, batch.table
     return _encoder.encode(
         StepMessage(
@@ -120,6 +139,8 @@ def encode_step(batch: HostBatch, released: list[str]) -> bytes:
             sample_rows=None if batch.sample_rows is None else WireArray.of(batch.sample_rows),
             prompt_rows=None if batch.prompt_rows is None else WireArray.of(batch.prompt_rows),
             released=list(released),
+            adapter_slots=None if adapter_slots is None else WireArray.of(adapter_slots),
+            lora=lora,
         )
     )
 
@@ -158,7 +179,10 @@ def decode_step(payload: bytes) -> FollowerStep | None:
         None if message.prompt_rows is None else message.prompt_rows.to_numpy(),
         message.table_shape,
     )
-    return FollowerStep(batch, message.released)
+    adapter_slots = None if message.adapter_slots is None else message.adapter_slots.to_numpy()
+    if adapter_slots is not None and len(adapter_slots) != len(layout.seq_lens):
+        raise ValueError(f"{len(adapter_slots)} adapter slots for {len(layout.seq_lens)} sequences")
+    return FollowerStep(batch, message.released, adapter_slots, message.lora)
 
 
 def _array(wire: WireArray | None) -> np.ndarray:
@@ -168,15 +192,22 @@ def _array(wire: WireArray | None) -> np.ndarray:
 
 
 def lead_step(
-    runner: ModelRunner, group: TPGroup, scheduled: list[ScheduledSequence], released: list[str]
+    runner: ModelRunner,
+    group: TPGroup,
+    scheduled: list[ScheduledSequence],
+    released: list[str],
+    lora: LoRARegistry | None = None,
 ) -> RunnerOutput:
     """Rank 0's step: release `released` (the scheduler's `finished_request_ids`), prepare
-    `scheduled`, send it to the followers, and run it. Returns rank 0's output."""
+    `scheduled` and make its adapters resident (`lora`: the runner's registry, when LoRA
+    is on), send it to the followers, and run it. Returns rank 0's output."""
     runner.release(released)
     batch = runner.prepare(scheduled)
+    adapter_slots = runner.adapter_slots(scheduled)
     if group.world_size > 1:
-        broadcast_step(group, encode_step(batch, released))
-    return runner.execute_host(batch)
+        sync = None if lora is None else lora.take_sync()
+        broadcast_step(group, encode_step(batch, released, adapter_slots, sync))
+    return runner.execute_host(batch, adapter_slots)
 
 
 def stop_followers(group: TPGroup) -> None:
@@ -185,15 +216,20 @@ def stop_followers(group: TPGroup) -> None:
         broadcast_step(group, encode_stop())
 
 
-def follower_loop(runner: ModelRunner, group: TPGroup) -> int:
+def follower_loop(runner: ModelRunner, group: TPGroup, lora: LoRAMirror | None = None) -> int:
     """A follower's life: receive each step rank 0 leads and run the same forward, until
-    the stop message. Returns the number of steps run."""
+    the stop message; `lora` (when LoRA is on) mirrors rank 0's slots, which the runner's
+    model reads. Returns the number of steps run."""
     if group.is_driver:
         raise ValueError("rank 0 leads the steps; only the other ranks follow")
     num_steps = 0
     while (step := decode_step(broadcast_step(group, None))) is not None:
         runner.release(step.released)
-        output = runner.execute_host(step.batch)
+        if step.lora is not None:
+            if lora is None:
+                raise RuntimeError("rank 0 serves LoRA adapters but this rank has no slots")
+            lora.apply(step.lora)
+        output = runner.execute_host(step.batch, step.adapter_slots)
         if output.prompt_hidden is not None:  # rank 0 scores these rows after the step
             follow_prompt_scoring(output.prompt_hidden, runner.compute_logits)
         num_steps += 1

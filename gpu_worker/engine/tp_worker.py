@@ -31,8 +31,9 @@ from gpu_worker.core.config import EngineConfig
 from gpu_worker.core.scheduler import ScheduledSequence
 from gpu_worker.distributed.group import TPConfig, TPGroup, init_tp_group, rank_device
 from gpu_worker.engine.profile_sampling import follow_profile_scoring
-from gpu_worker.engine.rank import build_runner, load_rank_model
+from gpu_worker.engine.rank import attach_lora_slots, build_runner, load_rank_model
 from gpu_worker.engine.tp_step import follower_loop, lead_step, stop_followers
+from gpu_worker.lora.manager import LoRAMirror, LoRARegistry
 from gpu_worker.runner.device import resolve_device
 from gpu_worker.runner.model_runner import ModelRunner, RunnerOutput
 from shared.model_source import resolve_model
@@ -90,8 +91,15 @@ def follower_main(config: EngineConfig, tp_config: TPConfig, errors: ErrorQueue)
             with torch.inference_mode():
                 source = resolve_model(config.model, config.served_model_name)
                 rank = load_rank_model(config, source, group)
+                attached = attach_lora_slots(config, rank)
                 post_forward = follow_profile_scoring(rank.model.compute_logits)
-                follower_loop(build_runner(config, rank, group, post_forward), group)
+                if attached is None:
+                    runner = build_runner(config, rank, group, post_forward)
+                    follower_loop(runner, group)
+                else:
+                    slots, state = attached
+                    runner = build_runner(config, rank, group, post_forward, (None, state))
+                    follower_loop(runner, group, LoRAMirror(slots, rank.model_config))
         finally:
             group.destroy()
     except BaseException:
@@ -155,11 +163,15 @@ class TPLeader:
             raise
 
     def step(
-        self, runner: ModelRunner, scheduled: list[ScheduledSequence], released: list[str]
+        self,
+        runner: ModelRunner,
+        scheduled: list[ScheduledSequence],
+        released: list[str],
+        lora: LoRARegistry | None = None,
     ) -> RunnerOutput:
         """`lead_step` over the group; a rank that died makes it raise `TPRankFailed`."""
         try:
-            return lead_step(runner, self.group, scheduled, released)
+            return lead_step(runner, self.group, scheduled, released, lora)
         except Exception as exc:
             failure = self._failure(wait_s=1.0) or f"a collective failed: {exc}"
             raise TPRankFailed(f"tensor-parallel group lost a rank: {failure}") from exc

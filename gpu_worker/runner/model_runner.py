@@ -17,7 +17,8 @@ gather of its rows on the device. Rows are freed through `release` with the sche
 LoRA (`use_lora`, before the graphs are captured): before a step's forward its adapters
 are made resident (the registry copies missing ones into slots) and every token row gets
 its sequence's slot, -1 for the base model: set on the model's `LoRAState` for an eager
-step, staged as one more graph input for a replayed decode step.
+step, staged as one more graph input for a replayed decode step. A tensor-parallel
+follower has no registry: its steps arrive with rank 0's slots (`execute_host`).
 """
 
 from __future__ import annotations
@@ -105,15 +106,16 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphRunner | None = None
         """Set by `capture_decode_graphs` on CUDA: pure-decode steps then replay graphs."""
         self.num_graph_steps = 0
-        self._lora: tuple[AdapterSlots, AdapterRows] | None = None
+        self._lora_registry: AdapterSlots | None = None
+        self._lora_rows: AdapterRows | None = None
 
-    def use_lora(self, registry: AdapterSlots, state: AdapterRows) -> None:
-        """Serve the adapters of `registry` through `state` (`attach_lora` wrapped the
-        model over the registry's slots); before `capture_decode_graphs`, whose graphs
-        then stage each row's slot."""
+    def use_lora(self, registry: AdapterSlots | None, state: AdapterRows) -> None:
+        """Serve adapters through `state` (`attach_lora` wrapped the model over the slots),
+        made resident by `registry` (None on a TP follower, whose slots rank 0's steps
+        fill); before `capture_decode_graphs`, whose graphs then stage each row's slot."""
         if self.decode_graphs is not None:
             raise RuntimeError("use_lora comes before the decode graphs are captured")
-        self._lora = (registry, state)
+        self._lora_registry, self._lora_rows = registry, state
 
     def capture_decode_graphs(self, max_batch_size: int, max_model_len: int) -> None:
         """Capture the decode graphs for batches up to `max_batch_size` sequences of up to
@@ -128,7 +130,7 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device,
             capture=True,
-            set_lora_rows=None if self._lora is None else self._lora[1].set_rows,
+            set_lora_rows=None if self._lora_rows is None else self._lora_rows.set_rows,
         )
         graphs.capture_all()
         self.decode_graphs = graphs
@@ -141,18 +143,19 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledSequence]) -> RunnerOutput:
         """Run one step: fp32 logits for each sampling sequence, in batch order, and the
         hidden states of the prompt rows whose logprobs were asked for."""
-        return self.execute_host(self.prepare(scheduled), self._adapter_slots(scheduled))
+        return self.execute_host(self.prepare(scheduled), self.adapter_slots(scheduled))
 
-    def _adapter_slots(self, scheduled: list[ScheduledSequence]) -> np.ndarray | None:
+    def adapter_slots(self, scheduled: list[ScheduledSequence]) -> np.ndarray | None:
         """Each sequence's adapter slot (-1: the base model), its adapters made resident
-        first; None when LoRA is off or no sequence of the step has an adapter."""
-        if self._lora is None:
-            return None
+        first; None when LoRA is off or no sequence of the step has an adapter. What
+        `execute_host` takes (and a TP rank 0 sends its followers with the step)."""
         names = {item.seq.lora_name for item in scheduled}
         names.discard(None)
         if not names:
             return None
-        slot_of = self._lora[0].acquire(name for name in names if name is not None)
+        if self._lora_registry is None:
+            raise RuntimeError("the step names adapters but this runner has no LoRA registry")
+        slot_of = self._lora_registry.acquire(name for name in names if name is not None)
         return np.array(
             [
                 -1 if item.seq.lora_name is None else slot_of[item.seq.lora_name]
@@ -163,13 +166,13 @@ class ModelRunner:
 
     def _set_lora_rows(self, layout: BatchLayout, seq_slots: np.ndarray | None) -> None:
         """An eager step's slot per token row, each sequence's repeated over its tokens."""
-        if self._lora is None:
+        if self._lora_rows is None:
             return
         if seq_slots is None:
-            self._lora[1].set_rows(None)
+            self._lora_rows.set_rows(None)
             return
         rows = np.repeat(seq_slots, np.diff(layout.query_start_loc))
-        self._lora[1].set_rows(torch.from_numpy(rows).to(self.device))
+        self._lora_rows.set_rows(torch.from_numpy(rows).to(self.device))
 
     @torch.inference_mode()
     def execute_host(
@@ -178,7 +181,7 @@ class ModelRunner:
         """Run a prepared step: this runner's own `prepare`, or, on a TP follower, the
         leader's, received over the wire. Either way the batch's block-table writes go into
         this runner's table, so every rank's table stays the leader's. `adapter_slots`:
-        each sequence's LoRA slot (`_adapter_slots`), None for a base-only step."""
+        each sequence's LoRA slot (`adapter_slots`), None for a base-only step."""
         self._fit_table(batch.table_shape)
         graphs = self.decode_graphs
         if graphs is not None and graphs.can_run(batch.layout, batch.table):

@@ -6,6 +6,12 @@ their rows of B, o and down their columns of A and B whole, adding the partial u
 before the layer's one all-reduce. The SmolLM2-shaped Llama splits 9 query heads over 3 KV
 heads unevenly over 2 ranks; a batch mixes base rows, a rank-16 adapter of every target and
 a rank-8 one of q/v and down, through a prefill and a decode step.
+
+Then the engine: `Engine(tensor_parallel_size=2, enable_lora=True, max_loras=1)` gives
+TP=1's greedy tokens and logprobs for one prompt under the base model and each adapter,
+the one slot refilled between them (the follower repeats rank 0's copies), and after an
+unload and a load of the same name from another adapter's directory (the follower reads
+the new one, not its copy of the old).
 """
 
 from __future__ import annotations
@@ -19,12 +25,14 @@ import torch
 
 from gpu_worker.distributed.group import TPGroup
 from gpu_worker.distributed.sharding import local_heads
+from gpu_worker.engine.engine import Completion, Engine
 from gpu_worker.loader import load_model
 from gpu_worker.lora.adapter import LORA_TARGETS, load_peft_adapter
 from gpu_worker.lora.layers import attach_lora, lora_targets
 from gpu_worker.lora.slots import LoRASlots
 from shared.model_source import resolve_model
-from tests.helpers.tiny_models import PagedRunner, save_tiny_model
+from shared.sampling import SamplingParams
+from tests.helpers.tiny_models import PagedRunner, save_tiny_model, save_tiny_tokenizer
 from tests.integration.test_tp_collectives import run_ranks
 from tests.unit.test_lora_adapter import AdapterSpec, add_peft_adapters
 
@@ -83,7 +91,8 @@ def _rank_check(model_dir: Path, adapters_dir: Path, out: Path, group: TPGroup) 
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[torch.Tensor]]:
+def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """The model's directory, its adapters' (one per SPECS name) and a scratch one."""
     root = tmp_path_factory.mktemp("tp_lora")
     model_dir, hf = save_tiny_model(
         root / "model",
@@ -94,8 +103,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[torch.Tenso
         num_key_value_heads=3,
         vocab_size=255,
     )
+    save_tiny_tokenizer(model_dir, hf.config.vocab_size)
     adapters_dir = root / "adapters"
     add_peft_adapters(hf, SPECS, adapters_dir)
+    return model_dir, adapters_dir, root
+
+
+@pytest.fixture(scope="module")
+def runs(files: tuple[Path, Path, Path]) -> dict[str, list[torch.Tensor]]:
+    model_dir, adapters_dir, root = files
     errors = root / "errors"
     errors.mkdir()
     run_ranks(
@@ -129,3 +145,61 @@ def test_tp2_with_adapters_matches_tp1(runs: dict[str, list[torch.Tensor]]) -> N
     for got, base, has_adapter in zip(runs["tp1"], runs["base"], adapted, strict=True):
         moved = float((got - base).abs().max())
         assert moved > 0.05 if has_adapter else moved < 1e-5
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+ENGINE_PROMPT = PROMPTS[0]
+ENGINE_ADAPTERS: list[str | None] = [None, "alpha", "beta"]
+
+
+def _engine_runs(
+    model_dir: Path, adapters_dir: Path, tensor_parallel_size: int
+) -> list[Completion]:
+    """The prompt under each of ENGINE_ADAPTERS in one batch, then under "alpha" alone
+    (back into the slot "beta" took), then under "beta" reloaded from alpha's directory."""
+    with Engine(
+        model=str(model_dir),
+        device="cpu",
+        tensor_parallel_size=tensor_parallel_size,
+        dist_timeout_s=30.0,
+        kv_cache_memory_gb=0.01,
+        enable_lora=True,
+        max_loras=1,
+        max_lora_rank=MAX_LORA_RANK,
+        lora_modules=[f"{name}={adapters_dir / name}" for name in SPECS],
+        lora_root=adapters_dir,
+    ) as engine:
+        mixed = engine.generate([ENGINE_PROMPT] * 3, GREEDY, lora_names=ENGINE_ADAPTERS)
+        again = engine.generate([ENGINE_PROMPT], GREEDY, lora_names=["alpha"])
+        assert engine.unload_lora("beta").ok
+        assert engine.load_lora("beta", "alpha").ok
+        reloaded = engine.generate([ENGINE_PROMPT], GREEDY, lora_names=["beta"])
+        stats = engine.stats()
+    # One slot: alpha, beta, alpha again, then the new beta; each switch an eviction.
+    assert stats.lora_evictions >= 3, stats
+    return mixed + again + reloaded
+
+
+def _first_logprobs(completion: Completion) -> list[float]:
+    assert completion.logprobs is not None
+    return completion.logprobs[0].top_logprobs
+
+
+@pytest.mark.timeout(120)
+def test_tp2_engine_serves_each_rows_adapter_as_tp1_through_refills_and_reloads(
+    files: tuple[Path, Path, Path],
+) -> None:
+    model_dir, adapters_dir, _ = files
+    tp1 = _engine_runs(model_dir, adapters_dir, 1)
+    tp2 = _engine_runs(model_dir, adapters_dir, 2)
+    for full, sharded in zip(tp1, tp2, strict=True):
+        assert sharded.token_ids == full.token_ids
+        assert _first_logprobs(sharded) == pytest.approx(_first_logprobs(full), abs=1e-4, rel=0)
+    base, alpha, beta, alpha_again, beta_as_alpha = tp2
+    # Each row had its own model: the adapters move the first step's logprobs apart.
+    firsts = [_first_logprobs(c) for c in (base, alpha, beta)]
+    for i, j in ((0, 1), (0, 2), (1, 2)):
+        assert firsts[i] != pytest.approx(firsts[j], abs=1e-3), (i, j)
+    assert alpha_again.token_ids == alpha.token_ids
+    assert beta_as_alpha.token_ids == alpha.token_ids
+    assert _first_logprobs(beta_as_alpha) == pytest.approx(firsts[1], abs=1e-4, rel=0)

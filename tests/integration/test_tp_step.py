@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -37,8 +38,10 @@ class ComparingRunner(ModelRunner):
         self.num_mismatches = 0
 
     @torch.inference_mode()
-    def execute_host(self, batch: HostBatch) -> RunnerOutput:
-        out = super().execute_host(batch)
+    def execute_host(
+        self, batch: HostBatch, adapter_slots: np.ndarray | None = None
+    ) -> RunnerOutput:
+        out = super().execute_host(batch, adapter_slots)
         parts = [out.logits.flatten()]
         if out.prompt_hidden is not None:
             parts.append(out.prompt_hidden.flatten())

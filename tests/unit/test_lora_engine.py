@@ -234,7 +234,6 @@ def test_the_worker_metrics_count_adapter_loads_and_evictions(tiny: Served) -> N
         ({"enable_lora": True, "lora_modules": ["no-equals"]}, "NAME=PATH"),
         ({"enable_lora": True, "lora_modules": ["a=x", "a=y"]}, "twice"),
         ({"enable_lora": True, "max_loras": 0}, "positive"),
-        ({"enable_lora": True, "tensor_parallel_size": 2}, "tensor-parallel-size"),
     ],
 )
 def test_lora_flags_that_do_not_go_together_fail_at_start(

@@ -198,6 +198,36 @@ def test_an_adapter_changes_the_output_and_names_itself(cluster: LoRACluster) ->
     assert chat.model == "gamma"
 
 
+def test_an_adapters_structured_output_follows_its_schema(cluster: LoRACluster) -> None:
+    """The grammar mask applies to an adapter's rows as to the base model's: a strong random
+    adapter, left to itself, would not write this object."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "colour": {"type": "string", "maxLength": 12},
+            "bright": {"type": "boolean"},
+        },
+        "required": ["colour", "bright"],
+        "additionalProperties": False,
+    }
+    chat = _client(cluster.render).chat.completions.create(
+        model="alpha",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=60,
+        temperature=0,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "answer", "schema": schema, "strict": True},
+        },
+    )
+    assert chat.model == "alpha"
+    assert chat.choices[0].finish_reason == "stop"
+    answer = json.loads(chat.choices[0].message.content or "")
+    assert set(answer) == {"colour", "bright"}
+    assert isinstance(answer["colour"], str)
+    assert isinstance(answer["bright"], bool)
+
+
 def test_a_request_for_an_adapter_goes_to_the_worker_holding_it(cluster: LoRACluster) -> None:
     before = _routed(cluster.render)
     for number in range(4):

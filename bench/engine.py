@@ -61,6 +61,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from gpu_worker import Engine
+from gpu_worker.lora.adapter import target_shapes
 from render_server.templating.chat_template import ChatRenderer
 from render_server.templating.tokenizer import Tokenizer
 from shared.model_source import DEFAULT_MODEL, ModelSource, resolve_model
@@ -585,39 +586,24 @@ def write_tp_section(
     write_section("engine-tp", body)
 
 
-LORA_TARGET_SHAPES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_RANK = 16
 
 
 def write_random_adapters(engine: Engine, count: int, out: Path) -> list[str]:
     """`count` random PEFT adapters (rank 16, all 7 targets of every layer) in `out`;
     returns `--lora-modules` entries (name=path)."""
-    mc = engine.model_config
-    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
-    hidden, inner = mc.hidden_size, mc.intermediate_size
-    shapes = {
-        "q_proj": (hidden, q),
-        "k_proj": (hidden, kv),
-        "v_proj": (hidden, kv),
-        "o_proj": (q, hidden),
-        "gate_proj": (hidden, inner),
-        "up_proj": (hidden, inner),
-        "down_proj": (inner, hidden),
-    }
+    shapes = target_shapes(engine.model_config)
     modules = []
     for index in range(count):
         name = f"adapter{index}"
         gen = torch.Generator().manual_seed(index)
         tensors = {}
-        for layer in range(mc.num_layers):
-            for target, (in_f, out_f) in shapes.items():
-                block = "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-                prefix = f"base_model.model.model.layers.{layer}.{block}.{target}"
-                a = torch.randn(LORA_RANK, in_f, generator=gen) / in_f**0.5
-                tensors[f"{prefix}.lora_A.weight"] = a
-                tensors[f"{prefix}.lora_B.weight"] = (
-                    torch.randn(out_f, LORA_RANK, generator=gen) * 0.01
-                )
+        for (layer, target), (in_f, out_f) in shapes.items():
+            block = "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{target}"
+            a = torch.randn(LORA_RANK, in_f, generator=gen) / in_f**0.5
+            tensors[f"{prefix}.lora_A.weight"] = a
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_f, LORA_RANK, generator=gen) * 0.01
         adapter_dir = out / name
         adapter_dir.mkdir()
         save_file(tensors, str(adapter_dir / "adapter_model.safetensors"))
@@ -625,7 +611,7 @@ def write_random_adapters(engine: Engine, count: int, out: Path) -> list[str]:
             "peft_type": "LORA",
             "r": LORA_RANK,
             "lora_alpha": 2 * LORA_RANK,
-            "target_modules": list(LORA_TARGET_SHAPES),
+            "target_modules": sorted({target for _, target in shapes}),
         }
         (adapter_dir / "adapter_config.json").write_text(json.dumps(config))
         modules.append(f"{name}={adapter_dir}")

@@ -221,3 +221,48 @@ def test_cache_memory_stays_flat_over_2000_distinct_requests() -> None:
     sizes = [size for _, size in held]
     assert max(sizes) <= min(sizes) * 1.25, sizes
     assert max(sizes) <= max_nodes * 400, sizes  # ~100-300 bytes a node
+
+
+def _naive_own_draft(tokens: list[int], k: int, depth: int, min_prob: float) -> list[int]:
+    """Suffix decoding over one sequence by plain search (max_spec_factor 1): for every
+    match length m, the occurrences of the last m tokens and their continuations."""
+    best: list[int] = []
+    best_score = 0.0
+    length = len(tokens)
+    for m in range(min(depth, length), 0, -1):
+        pattern = tokens[length - m :]
+        ends = [p for p in range(m - 1, length) if tokens[p - m + 1 : p + 1] == pattern]
+        draft: list[int] = []
+        score, probability = 0.0, 1.0
+        while len(draft) < min(k, m) and m + len(draft) < depth:
+            following = [tokens[p + 1] for p in ends if p + 1 < length]
+            if not following:
+                break
+            token = min(set(following), key=lambda t: (-following.count(t), t))
+            probability *= following.count(token) / len(following)
+            if probability < min_prob:
+                break
+            draft.append(token)
+            score += probability
+            ends = [p + 1 for p in ends if p + 1 < length and tokens[p + 1] == token]
+        if score > best_score:
+            best, best_score = draft, score
+    return best
+
+
+def test_own_drafts_equal_a_plain_search() -> None:
+    rng = random.Random(5)
+    proposer = SuffixProposer(
+        _config(suffix_decoding_max_tree_depth=7, suffix_decoding_max_cached_requests=0)
+    )
+    for request in range(40):
+        rid = f"r{request}"
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 12))]
+        proposer.start_request(rid, tokens)
+        for _ in range(8):
+            step = [rng.randrange(4) for _ in range(rng.randrange(1, 4))]
+            proposer.add_tokens(rid, step)
+            tokens += step
+            k = rng.randrange(1, 9)
+            assert proposer.propose(rid, k) == _naive_own_draft(tokens, k, 7, 0.1), tokens
+        proposer.finish_request(rid)

@@ -203,8 +203,9 @@ def _random_batch(
 
 def _repack(
     target: torch.Tensor, q: torch.Tensor, requests: list[DraftedRequest], order: list[int]
-) -> tuple[torch.Tensor, torch.Tensor, list[DraftedRequest]]:
-    """The requests `order` names, in that order, with their rows copied into new tensors."""
+) -> tuple[torch.Tensor, list[DraftedRequest], torch.Tensor]:
+    """verify's arguments for the requests `order` names, in that order, their rows copied
+    into new tensors."""
     draft_starts = list(itertools.accumulate((len(r.draft_token_ids) for r in requests), initial=0))
     target_rows: list[torch.Tensor] = []
     draft_rows: list[torch.Tensor] = []

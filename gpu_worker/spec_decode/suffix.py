@@ -101,7 +101,8 @@ class SuffixProposer:
 
     def propose(self, request_id: str, k: int) -> list[int]:
         """Up to min(k, num_speculative_tokens) drafted tokens; [] when nothing matches
-        with enough probability. Reads the tries, mutates nothing."""
+        with enough probability. Reads the tries, mutates nothing; KeyError for a
+        request that was not started."""
         state = self._requests[request_id]
         k = min(k, self.max_tokens)
         if k <= 0:
@@ -118,6 +119,11 @@ class SuffixProposer:
                 if score > best_score:
                     best, best_score = tokens, score
         return best
+
+    def num_nodes(self, request_id: str) -> int:
+        """Nodes of the request's own trie: its memory, about len * depth when its tokens
+        rarely repeat."""
+        return self._requests[request_id].trie.num_nodes
 
     def finish_request(self, request_id: str) -> None:
         """Forget the request and cache its output in the global trie. Unknown ids pass,

@@ -78,6 +78,7 @@ def test_removing_a_sequence_leaves_the_trie_of_the_others() -> None:
 def test_copies_the_prompt() -> None:
     proposer = SuffixProposer(_config())
     proposer.start_request("r", [10, 11, 12, 13, 14, 15, 16, 17, 18, 19])
+    assert proposer.num_nodes("r") == 1 + 10 * 11 // 2  # the root and every substring
     proposer.add_tokens("r", [0, 12, 13, 14])
     # The match "12 13 14" has length 3: max_spec_factor 1.0 drafts at most 3 tokens.
     assert proposer.propose("r", 8) == [15, 16, 17]

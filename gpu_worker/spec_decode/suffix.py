@@ -14,7 +14,7 @@ The global cache is bounded twice: by requests (`max_cached_requests`) and by me
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -29,15 +29,14 @@ class GlobalSuffixCache:
         self.trie = SuffixTrie(depth)
         self.max_requests = max_requests
         self.max_nodes = max_nodes
-        self._outputs: OrderedDict[int, list[int]] = OrderedDict()
-        self._next_key = 0
+        self._outputs: deque[list[int]] = deque()
 
     def __len__(self) -> int:
         return len(self._outputs)
 
     def outputs(self) -> list[list[int]]:
         """The cached outputs, oldest first (as kept: possibly cut to their last tokens)."""
-        return list(self._outputs.values())
+        return list(self._outputs)
 
     def add(self, output_token_ids: Sequence[int]) -> None:
         """Cache one finished output (copied). An output that alone would pass the node
@@ -46,11 +45,9 @@ class GlobalSuffixCache:
             return
         tokens = list(output_token_ids[-max(1, (self.max_nodes - 1) // self.trie.depth) :])
         self.trie.extend(self.trie.start(), tokens)
-        self._outputs[self._next_key] = tokens
-        self._next_key += 1
+        self._outputs.append(tokens)
         while len(self._outputs) > self.max_requests or self.trie.num_nodes > self.max_nodes:
-            _, oldest = self._outputs.popitem(last=False)
-            self.trie.remove(oldest)
+            self.trie.remove(self._outputs.popleft())
 
 
 @dataclass

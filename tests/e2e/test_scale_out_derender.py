@@ -152,6 +152,18 @@ def _generated(token_ids: list[int], **choice: Any) -> dict[str, Any]:
             {"generate_responses": [_generated([VOCAB_SIZE + 5])], "prompt_token_ids": [[1]]},
             "generate_responses.0.choices.0.token_ids.0",
         ),
+        # A chat prompt's ids past the vocabulary, from the generate response or the body
+        # (the HTTP fuzzer found the first a 500: the detokenizer overflowed on 2**54).
+        (
+            "/v1/chat/completions/derender",
+            {"generate_response": _generated([1]) | {"prompt_token_ids": [1, 2**54]}},
+            "prompt_token_ids.1",
+        ),
+        (
+            "/v1/chat/completions/derender",
+            {"generate_response": _generated([1]), "prompt_token_ids": [VOCAB_SIZE]},
+            "prompt_token_ids.0",
+        ),
         (
             "/v1/completions/derender",
             {"generate_responses": [_generated([1])], "prompt_token_ids": [[1], [2]]},

@@ -77,6 +77,9 @@ async def derender_chat(body: ChatDerenderRequest, request: Request, state: Stat
             400, "generate_response: required unless stream is true.", param="generate_response"
         )
     prompt_ids = _chat_prompt_ids(body, prompt, response.prompt_token_ids)
+    # Ids from the body (prompt_token_ids, or the generate response's) are the client's:
+    # the detokenizer would overflow on one past the vocabulary.
+    _check_vocabulary(state, prompt_ids, "prompt_token_ids")
     specs = prompt_specs(state, chat, [prompt_ids], prompt_param="messages")
     generation = Generation(None, state.tokenizer, chat_request_id(chat), specs)
     _replay(state, generation.prompts[0], response, "generate_response")

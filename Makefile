@@ -36,11 +36,13 @@ ifeq ($(REDIS_SERVER),)
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server
 endif
 
+# Two pytest workers (pytest-xdist): much of the suite waits on processes it started and on
+# sockets, so two workers keep CI's two cores busier (bench/RESULTS.md, test-suite).
 test: $(STAMP) redis-server
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
-	$(VENV)/bin/python -m pytest -q --durations=25
+	$(VENV)/bin/python -m pytest -q -n 2 --durations=25
 
 # The inner loop: unit tests without the ones marked slow (the first run also builds the
 # C++ CPU kernels once, which takes minutes; later runs reuse the build).

@@ -37,7 +37,8 @@ ifeq ($(REDIS_SERVER),)
 endif
 
 # Two pytest workers (pytest-xdist): much of the suite waits on processes it started and on
-# sockets, so two workers keep CI's two cores busier (bench/RESULTS.md, test-suite).
+# sockets, so two workers keep CI's two cores busier (2026-12-04: 916 s for 2180 tests at -n 2,
+# 1019 s for 2103 tests on one worker the day before).
 test: $(STAMP) redis-server
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

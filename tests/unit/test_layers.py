@@ -99,6 +99,8 @@ ALLOWED: dict[str, set[str]] = {
         "kernels",
         "shared",
     },
+    # Speculative decoding's drafters and verification: below the engine, beside sampling.
+    "gpu_worker.spec_decode": {"gpu_worker.sampling", "shared"},
     # A GGUF tensor read lazily, for a TP rank's slices: gguf, numpy and torch alone.
     "gpu_worker.gguf_tensors": set(),
     "gpu_worker.models": {"gpu_worker.attention", "gpu_worker.ops", "shared"},

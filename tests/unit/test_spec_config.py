@@ -6,6 +6,9 @@ from __future__ import annotations
 import pytest
 
 from gpu_worker.spec_decode.config import SpeculativeConfig, parse_speculative_config
+from gpu_worker.spec_decode.drafter import make_drafter
+from gpu_worker.spec_decode.ngram import NgramProposer
+from gpu_worker.spec_decode.suffix import SuffixProposer
 
 
 def test_ngram_defaults_are_vllms() -> None:
@@ -50,7 +53,8 @@ def test_draft_model_and_the_model_shorthand() -> None:
     )
     shorthand = parse_speculative_config('{"model": "tiny", "num_speculative_tokens": 2}')
     assert explicit == shorthand
-    assert explicit.method == "draft_model" and explicit.model == "tiny"
+    assert explicit.method == "draft_model"
+    assert explicit.model == "tiny"
 
 
 @pytest.mark.parametrize(
@@ -108,3 +112,13 @@ def test_bad_configs_name_their_field(text: str, named: str) -> None:
 def test_not_a_json_object(text: str) -> None:
     with pytest.raises(ValueError, match="--speculative-config"):
         parse_speculative_config(text)
+
+
+def test_the_method_picks_the_drafter() -> None:
+    ngram = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 2}')
+    suffix = parse_speculative_config('{"method": "suffix"}')
+    draft = parse_speculative_config('{"model": "tiny", "num_speculative_tokens": 2}')
+    assert isinstance(make_drafter(ngram), NgramProposer)
+    assert isinstance(make_drafter(suffix), SuffixProposer)
+    with pytest.raises(ValueError, match="draft_model"):
+        make_drafter(draft)

@@ -12,10 +12,10 @@ A worker that forgot this render server (it restarted, or reaped us while we wer
 answers a request with `Rejected("protocol")`: the pool greets it again and resends the
 request where it stopped, so a paused render server resumes its streams.
 
-LoRA adapters: the pool keeps the adapters every worker should hold (the render server's
---lora-modules and what the runtime API loaded) and asks each worker that welcomes it to
-load them; `load_lora` / `unload_lora` run an operation on every worker and wait for each
-one's `LoRAResult`. A request for an adapter only goes to workers that register it.
+LoRA adapters: the pool's `LoRAOperations` (render_server.worker_client.lora) keeps the
+adapters every worker should hold and runs `load_lora` / `unload_lora` on every worker; the
+pool feeds it welcomes, heartbeats, results and losses. A request for an adapter only goes
+to workers that register it.
 
 Routing policy lives in `render_server.worker_client.routing`; this module only gathers its inputs.
 Streams are in `render_server.worker_client.request_stream`, sockets in
@@ -31,14 +31,13 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import msgspec
 import zmq
 
 from render_server.worker_client.link import WorkerLink
-from render_server.worker_client.lora import LoRAModule, LoRAOutcome
+from render_server.worker_client.lora import LoRAModule, LoRAOperations, LoRAOutcome
 from render_server.worker_client.request_stream import RequestStream, WorkerError, WorkerErrorCode
 from render_server.worker_client.routing import (
     PrefixAffinity,
@@ -58,11 +57,9 @@ from shared.protocol import (
     Generate,
     Heartbeat,
     Hello,
-    LoadLoRA,
     LoRAResult,
     ProtocolError,
     Rejected,
-    UnloadLoRA,
     Welcome,
     WorkerMessageDecoder,
     WorkerStats,
@@ -100,18 +97,6 @@ class WorkerStatus:
     """Removed from the pool's addresses: no new requests; closed once its streams end."""
     in_flight_adapters: frozenset[str] = field(default_factory=frozenset)
     """The LoRA adapters of this process's requests on it."""
-
-
-@dataclass
-class _PendingLoRAOp:
-    """A LoadLoRA or UnloadLoRA sent to one worker, until its LoRAResult arrives."""
-
-    link: WorkerLink
-    lora_name: str
-    action: str
-    """"load" or "unload", for the log."""
-    answer: asyncio.Future[LoRAOutcome] | None
-    """Who waits for it; None for the loads a welcome triggers, which are only logged."""
 
 
 class WorkerPool:
@@ -169,10 +154,8 @@ class WorkerPool:
         self._context: zmq.Context | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._monitor: asyncio.Task[None] | None = None
-        self._lora_paths: dict[str, str] = {module.name: module.path for module in lora_modules}
-        """Adapters every worker should hold, by name: loaded on each worker that welcomes
-        us (--lora-modules, then every runtime load until its unload)."""
-        self._lora_ops: dict[str, _PendingLoRAOp] = {}
+        self.lora = LoRAOperations(lora_modules)
+        """The adapters every worker should hold and the operations in flight."""
 
     @property
     def model_card(self) -> ModelCard | None:
@@ -317,167 +300,20 @@ class WorkerPool:
     # ---- LoRA adapters ------------------------------------------------------------------
 
     def lora_adapters(self) -> dict[str, str | None]:
-        """Every adapter a request may name, with its path where this pool knows it: the
-        ones it loads on every worker, and any a connected worker registers."""
-        adapters: dict[str, str | None] = dict(self._lora_paths)
-        for link in self._links:
-            if link.welcomed and link.stats is not None:
-                for name in link.stats.lora_registered:
-                    adapters.setdefault(name, None)
-        return adapters
+        """Every adapter a request may name, with its path where this pool knows it."""
+        return self.lora.adapters(self._links)
 
     async def load_lora(self, name: str, path: str, timeout_s: float) -> list[LoRAOutcome]:
-        """Load adapter `name` from `path` (on the workers' disks) on every live worker.
-
-        All or nothing: when any worker fails (or does not answer within `timeout_s`),
-        the ones that loaded it unload it again, and the outcomes say why. On success every
-        worker that connects later loads it too.
-        """
-        outcomes = await self._run_lora_op(
-            lambda op_id: LoadLoRA(op_id=op_id, lora_name=name, lora_path=path),
-            name,
-            "load",
-            timeout_s,
-        )
-        if outcomes and all(outcome.ok for outcome in outcomes):
-            self._lora_paths[name] = path
-            return outcomes
-        loaded = {outcome.address for outcome in outcomes if outcome.ok}
-        if loaded:
-            logger.warning(
-                "adapter %r did not load on every worker: unloading it from %s",
-                name,
-                ", ".join(sorted(loaded)),
-            )
-            await self._run_lora_op(
-                lambda op_id: UnloadLoRA(op_id=op_id, lora_name=name),
-                name,
-                "unload",
-                timeout_s,
-                only=loaded,
-            )
-        return outcomes
+        """Load adapter `name` from `path` (on the workers' disks) on every live worker,
+        all or nothing (`LoRAOperations.load`)."""
+        return await self.lora.load(self._routable_links(), name, path, timeout_s)
 
     async def unload_lora(self, name: str, timeout_s: float) -> list[LoRAOutcome]:
-        """Unload adapter `name` from every live worker. Once each has unloaded it or never
-        had it (404), workers that connect later no longer load it."""
-        outcomes = await self._run_lora_op(
-            lambda op_id: UnloadLoRA(op_id=op_id, lora_name=name), name, "unload", timeout_s
-        )
-        if all(outcome.ok or outcome.status == 404 for outcome in outcomes):
-            self._lora_paths.pop(name, None)
-        return outcomes
+        """Unload adapter `name` from every live worker (`LoRAOperations.unload`)."""
+        return await self.lora.unload(self._routable_links(), name, timeout_s)
 
-    async def _run_lora_op(
-        self,
-        make: Callable[[str], LoadLoRA | UnloadLoRA],
-        name: str,
-        action: str,
-        timeout_s: float,
-        only: set[str] | None = None,
-    ) -> list[LoRAOutcome]:
-        """Send `make(op_id)` to every routable worker (or those in `only`) and wait for
-        their answers; a worker silent past `timeout_s` counts as a 504."""
-        assert self._loop is not None, "the pool is not started"
-        links = [
-            link
-            for link in self._links
-            if link.is_routable and (only is None or link.address in only)
-        ]
-        answers: list[asyncio.Future[LoRAOutcome]] = []
-        op_ids = []
-        for link in links:
-            op_id = uuid.uuid4().hex
-            answer: asyncio.Future[LoRAOutcome] = self._loop.create_future()
-            self._lora_ops[op_id] = _PendingLoRAOp(link, name, action, answer)
-            op_ids.append(op_id)
-            answers.append(answer)
-            link.send(make(op_id))
-        if answers:
-            await asyncio.wait(answers, timeout=timeout_s)
-        outcomes = []
-        for link, op_id, answer in zip(links, op_ids, answers, strict=True):
-            self._lora_ops.pop(op_id, None)
-            if answer.done():
-                outcomes.append(answer.result())
-            else:
-                answer.cancel()
-                message = f"worker {link.address} did not answer within {timeout_s:g}s"
-                outcomes.append(LoRAOutcome(link.address, False, 504, message))
-        return outcomes
-
-    def _on_lora_result(self, link: WorkerLink, result: LoRAResult) -> None:
-        pending = self._lora_ops.pop(result.op_id, None)
-        if pending is None or pending.link is not link:
-            return  # answered after its deadline, or forged
-        if result.ok:
-            self._note_lora_change(link, pending.lora_name, loaded=pending.action == "load")
-        outcome = LoRAOutcome(link.address, result.ok, result.status, result.message)
-        if pending.answer is not None:
-            if not pending.answer.done():
-                pending.answer.set_result(outcome)
-        elif result.ok:
-            logger.info("worker %s loaded adapter %r", link.address, pending.lora_name)
-        elif result.status != 409:  # 409: it holds that name already (its own flags)
-            logger.error(
-                "worker %s could not load adapter %r from %r (%d): %s",
-                link.address,
-                pending.lora_name,
-                self._lora_paths.get(pending.lora_name),
-                result.status,
-                result.message,
-            )
-
-    def _note_lora_change(self, link: WorkerLink, name: str, *, loaded: bool) -> None:
-        """Apply a load or unload to what the worker's last heartbeat said, so routing and
-        /v1/models see it at once, and keep applying it until a heartbeat shows it."""
-        link.lora_changes[name] = loaded
-        self._apply_lora_changes(link, heartbeat=False)
-
-    def _apply_lora_changes(self, link: WorkerLink, *, heartbeat: bool) -> None:
-        """Patch `link.stats` with the changes its heartbeats do not show yet; a change a
-        fresh heartbeat (`heartbeat`) shows is done with."""
-        stats = link.stats
-        if stats is None:
-            return
-        registered = list(stats.lora_registered)
-        resident = list(stats.lora_resident)
-        for name, loaded in list(link.lora_changes.items()):
-            if (name in registered) == loaded:
-                if heartbeat:  # the worker's own figures show it now
-                    del link.lora_changes[name]
-            elif loaded:
-                registered.append(name)
-            else:
-                registered.remove(name)
-                if name in resident:
-                    resident.remove(name)
-        link.stats = msgspec.structs.replace(
-            stats, lora_registered=registered, lora_resident=resident
-        )
-
-    def _load_adapters_on(self, link: WorkerLink, card: ModelCard) -> None:
-        """Ask a worker that just welcomed us to load every adapter the pool keeps."""
-        if not self._lora_paths:
-            return
-        if card.max_loras == 0:
-            logger.error(
-                "worker %s runs without --enable-lora: adapters %s cannot be served there",
-                link.address,
-                ", ".join(sorted(self._lora_paths)),
-            )
-            return
-        for name, path in self._lora_paths.items():
-            op_id = uuid.uuid4().hex
-            self._lora_ops[op_id] = _PendingLoRAOp(link, name, "load", None)
-            link.send(LoadLoRA(op_id=op_id, lora_name=name, lora_path=path))
-
-    def _fail_lora_ops(self, link: WorkerLink, message: str) -> None:
-        for op_id, pending in list(self._lora_ops.items()):
-            if pending.link is link:
-                del self._lora_ops[op_id]
-                if pending.answer is not None and not pending.answer.done():
-                    pending.answer.set_result(LoRAOutcome(link.address, False, 503, message))
+    def _routable_links(self) -> list[WorkerLink]:
+        return [link for link in self._links if link.is_routable]
 
     # ---- incoming ---------------------------------------------------------------------
 
@@ -497,15 +333,14 @@ class WorkerPool:
             self._on_deltas(link, message)
         elif isinstance(message, Heartbeat):
             link.stats = message.stats
-            if link.lora_changes:
-                self._apply_lora_changes(link, heartbeat=True)
+            self.lora.on_heartbeat(link)
             link.last_heartbeat = time.time()
         elif isinstance(message, Rejected):
             self._on_rejected(link, message)
         elif isinstance(message, Welcome):
             self._on_welcome(link, message)
         elif isinstance(message, LoRAResult):
-            self._on_lora_result(link, message)
+            self.lora.on_result(link, message)
         if link.welcomed and not link.alive:
             link.alive = True
             logger.warning("worker %s is back", link.address)
@@ -569,7 +404,6 @@ class WorkerPool:
         if not link.welcomed:
             logger.info("worker %s (%s) serves %s", link.address, welcome.worker_id, card.model_id)
         link.refused = False
-        link.lora_changes.clear()  # it may have restarted: its heartbeats say what it has
         link.worker_id = welcome.worker_id
         link.model_card = card
         link.welcomed = link.alive = True
@@ -578,7 +412,7 @@ class WorkerPool:
         link.send(ClientHeartbeat(sent_at=time.time()))
         if self._model_card is None:
             self._model_card = card
-        self._load_adapters_on(link, card)
+        self.lora.on_welcome(link, card)
         self._any_welcome.set()
 
     # ---- liveness ---------------------------------------------------------------------
@@ -658,7 +492,7 @@ class WorkerPool:
 
     def _lose(self, link: WorkerLink, reason: str | None = None) -> None:
         link.alive = False
-        self._fail_lora_ops(link, f"worker {link.address} stopped responding")
+        self.lora.on_lost(link, f"worker {link.address} stopped responding")
         silent = time.monotonic() - link.last_seen
         streams = list(link.streams.values())
         moved = 0

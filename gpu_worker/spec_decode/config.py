@@ -71,9 +71,9 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     """suffix: finished requests' outputs kept in the global tree (oldest evicted first);
     0 turns the global tree off (each request's own tree is still used)."""
-    suffix_decoding_max_cached_nodes: int = 1_000_000
-    """suffix: memory bound of the global tree in nodes, about 260 bytes each (not a vLLM
-    field); outputs are evicted oldest first until the tree fits."""
+    suffix_decoding_max_cached_nodes: int = 2_000_000
+    """suffix: memory bound of the global tree in nodes, about 66 bytes each, so ~130 MB
+    (not a vLLM field); outputs are evicted oldest first until the tree fits."""
     suffix_decoding_max_spec_factor: float = 1.0
     """suffix: a match of length m drafts at most factor * m tokens."""
     suffix_decoding_min_token_prob: float = 0.1

@@ -13,13 +13,59 @@ from collections.abc import Sequence
 
 
 class TrieNode:
-    """One substring: how often it occurs, and the substrings one token longer."""
+    """One substring: how often it occurs, and the substrings one token longer.
 
-    __slots__ = ("children", "count")
+    Most nodes have one child (a substring seen once continues one way), so a lone child
+    sits in two slots (`token`, `child`) and a dict is made only for a second one: 64
+    bytes a node instead of ~270 with a dict each."""
+
+    __slots__ = ("child", "children", "count", "token")
 
     def __init__(self) -> None:
         self.count = 0
+        self.token = -1
+        self.child: TrieNode | None = None
+        """The only child (under `token`) while there is one; None otherwise."""
         self.children: dict[int, TrieNode] | None = None
+        """All children once a second one arrived (or after removals left fewer)."""
+
+    def get(self, token: int) -> TrieNode | None:
+        if self.child is not None:
+            return self.child if token == self.token else None
+        return None if self.children is None else self.children.get(token)
+
+    def add(self, token: int) -> TrieNode:
+        """The child under `token`, created (count 0) when absent."""
+        found = self.get(token)
+        if found is not None:
+            return found
+        created = TrieNode()
+        if self.child is None and self.children is None:
+            self.token, self.child = token, created
+        else:
+            if self.child is not None:
+                self.children = {self.token: self.child}
+                self.token, self.child = -1, None
+            assert self.children is not None
+            self.children[token] = created
+        return created
+
+    def delete(self, token: int) -> None:
+        if self.child is not None:
+            self.token, self.child = -1, None
+        elif self.children is not None:
+            del self.children[token]
+            if not self.children:
+                self.children = None
+
+    def items(self) -> list[tuple[int, TrieNode]]:
+        """(token, child) pairs; [] for a leaf."""
+        if self.child is not None:
+            return [(self.token, self.child)]
+        return [] if self.children is None else list(self.children.items())
+
+    def is_leaf(self) -> bool:
+        return self.child is None and not self.children
 
 
 class SuffixTrie:
@@ -43,12 +89,10 @@ class SuffixTrie:
         for token in tokens:
             advanced = [self.root]
             for parent in ends[: self.depth]:
-                children = parent.children
-                if children is None:
-                    children = parent.children = {}
-                child = children.get(token)
+                # The lone-child case inline: it is most of the calls of a long prompt.
+                child = parent.child if parent.token == token else parent.get(token)
                 if child is None:
-                    child = children[token] = TrieNode()
+                    child = parent.add(token)
                     self.num_nodes += 1
                 child.count += 1
                 advanced.append(child)
@@ -61,35 +105,30 @@ class SuffixTrie:
         for start in range(len(tokens)):
             node = self.root
             for token in tokens[start : start + self.depth]:
-                assert node.children is not None, "removing a sequence that was never added"
-                child = node.children[token]
+                child = node.get(token)
+                assert child is not None, "removing a sequence that was never added"
                 child.count -= 1
                 if child.count == 0:
                     # Its one occurrence was this one, so below it hangs only this path.
-                    del node.children[token]
-                    if not node.children:
-                        node.children = None
+                    node.delete(token)
                     self.num_nodes -= _path_length(child)
                     break
                 node = child
 
     def find(self, tokens: Sequence[int]) -> TrieNode | None:
         """The node of the substring `tokens` (at most `depth` long), None when absent."""
-        node = self.root
+        node: TrieNode | None = self.root
         for token in tokens:
-            if node.children is None:
+            if node is None:
                 return None
-            child = node.children.get(token)
-            if child is None:
-                return None
-            node = child
+            node = node.get(token)
         return node
 
 
 def _path_length(node: TrieNode) -> int:
     length = 1
-    while node.children:
-        (node,) = node.children.values()
+    while not node.is_leaf():
+        ((_, node),) = node.items()
         length += 1
     return length
 
@@ -105,10 +144,10 @@ def draft_from(node: TrieNode, max_tokens: int, min_token_prob: float) -> tuple[
     tokens: list[int] = []
     score = 0.0
     probability = 1.0
-    while len(tokens) < max_tokens and node.children:
+    while len(tokens) < max_tokens and not node.is_leaf():
         total = 0
         best_token, best = -1, node
-        for token, child in node.children.items():
+        for token, child in node.items():
             total += child.count
             if best_token < 0 or (child.count, -token) > (best.count, -best_token):
                 best_token, best = token, child

@@ -145,13 +145,16 @@ def draft_from(node: TrieNode, max_tokens: int, min_token_prob: float) -> tuple[
     score = 0.0
     probability = 1.0
     while len(tokens) < max_tokens and not node.is_leaf():
-        total = 0
-        best_token, best = -1, node
-        for token, child in node.items():
-            total += child.count
-            if best_token < 0 or (child.count, -token) > (best.count, -best_token):
-                best_token, best = token, child
-        probability *= best.count / total
+        if node.child is not None:  # one way on: probability unchanged
+            best_token, best = node.token, node.child
+        else:
+            total = 0
+            best_token, best = -1, node
+            for token, child in node.items():
+                total += child.count
+                if best_token < 0 or (child.count, -token) > (best.count, -best_token):
+                    best_token, best = token, child
+            probability *= best.count / total
         if probability < min_token_prob:
             break
         tokens.append(best_token)

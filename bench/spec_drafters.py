@@ -27,8 +27,10 @@ import os
 import platform
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 from results_md import command_line, write_section
@@ -37,44 +39,21 @@ from gpu_worker.spec_decode.config import SpeculativeConfig
 from gpu_worker.spec_decode.ngram import NgramProposer, ngram_draft
 from gpu_worker.spec_decode.suffix import SuffixProposer
 
+# Run as `python bench/spec_drafters.py`: the repository root holds the tests' references.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.helpers.spec_reference import naive_ngram_draft, naive_suffix_draft  # noqa: E402
+
 VOCAB = 32_000
 NGRAM_MIN, NGRAM_MAX, K = 2, 5, 8
 DEPTH = 24
 
 
 def naive_ngram(tokens: list[int], k: int) -> list[int]:
-    for n in range(min(NGRAM_MAX, len(tokens) - 1), NGRAM_MIN - 1, -1):
-        pattern = tokens[-n:]
-        for start in range(len(tokens) - n):
-            if tokens[start : start + n] == pattern:
-                return tokens[start + n : start + n + k]
-    return []
+    return naive_ngram_draft(tokens, NGRAM_MIN, NGRAM_MAX, k)
 
 
 def naive_suffix(tokens: list[int], k: int, min_prob: float = 0.1) -> list[int]:
-    """Suffix decoding over one sequence by plain search (max_spec_factor 1)."""
-    best: list[int] = []
-    best_score = 0.0
-    length = len(tokens)
-    for m in range(min(DEPTH, length), 0, -1):
-        pattern = tokens[length - m :]
-        ends = [p for p in range(m - 1, length) if tokens[p - m + 1 : p + 1] == pattern]
-        draft: list[int] = []
-        score, probability = 0.0, 1.0
-        while len(draft) < min(k, m) and m + len(draft) < DEPTH:
-            following = [tokens[p + 1] for p in ends if p + 1 < length]
-            if not following:
-                break
-            token = min(set(following), key=lambda t: (-following.count(t), t))
-            probability *= following.count(token) / len(following)
-            if probability < min_prob:
-                break
-            draft.append(token)
-            score += probability
-            ends = [p + 1 for p in ends if p + 1 < length and tokens[p + 1] == token]
-        if score > best_score:
-            best, best_score = draft, score
-    return best
+    return naive_suffix_draft(tokens, k, DEPTH, min_prob)
 
 
 def median_ms(calls: int, run: Callable[[int], object]) -> float:

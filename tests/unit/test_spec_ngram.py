@@ -10,16 +10,7 @@ import pytest
 
 from gpu_worker.spec_decode.config import SpeculativeConfig
 from gpu_worker.spec_decode.ngram import NgramProposer, ngram_draft
-
-
-def _naive(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
-    """The definition: for n from max_n down, the earliest earlier copy of the last n."""
-    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
-        pattern = tokens[-n:]
-        for start in range(len(tokens) - n):
-            if tokens[start : start + n] == pattern:
-                return tokens[start + n : start + n + k]
-    return []
+from tests.helpers.spec_reference import naive_ngram_draft
 
 
 def test_copies_what_followed_the_prompts_phrase() -> None:
@@ -71,7 +62,8 @@ def test_matches_the_naive_search_on_random_sequences(min_n: int, max_n: int) ->
     for _ in range(300):
         tokens = [rng.randrange(4) for _ in range(rng.randrange(0, 40))]
         k = rng.randrange(0, 6)
-        assert ngram_draft(tokens, k, min_n, max_n) == _naive(tokens, min_n, max_n, k), tokens
+        expected = naive_ngram_draft(tokens, min_n, max_n, k)
+        assert ngram_draft(tokens, k, min_n, max_n) == expected, tokens
 
 
 def test_proposer_follows_each_request_as_its_tokens_arrive() -> None:

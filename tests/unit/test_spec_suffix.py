@@ -11,6 +11,7 @@ from typing import Any
 from gpu_worker.spec_decode.config import SpeculativeConfig
 from gpu_worker.spec_decode.suffix import GlobalSuffixCache, SuffixProposer
 from gpu_worker.spec_decode.suffix_trie import SuffixTrie, TrieNode
+from tests.helpers.spec_reference import naive_suffix_draft
 
 
 def _dump(node: TrieNode) -> Any:
@@ -224,33 +225,6 @@ def test_cache_memory_stays_flat_over_2000_distinct_requests() -> None:
     assert max(sizes) <= max_nodes * 128, sizes
 
 
-def _naive_own_draft(tokens: list[int], k: int, depth: int, min_prob: float) -> list[int]:
-    """Suffix decoding over one sequence by plain search (max_spec_factor 1): for every
-    match length m, the occurrences of the last m tokens and their continuations."""
-    best: list[int] = []
-    best_score = 0.0
-    length = len(tokens)
-    for m in range(min(depth, length), 0, -1):
-        pattern = tokens[length - m :]
-        ends = [p for p in range(m - 1, length) if tokens[p - m + 1 : p + 1] == pattern]
-        draft: list[int] = []
-        score, probability = 0.0, 1.0
-        while len(draft) < min(k, m) and m + len(draft) < depth:
-            following = [tokens[p + 1] for p in ends if p + 1 < length]
-            if not following:
-                break
-            token = min(set(following), key=lambda t: (-following.count(t), t))
-            probability *= following.count(token) / len(following)
-            if probability < min_prob:
-                break
-            draft.append(token)
-            score += probability
-            ends = [p + 1 for p in ends if p + 1 < length and tokens[p + 1] == token]
-        if score > best_score:
-            best, best_score = draft, score
-    return best
-
-
 def test_own_drafts_equal_a_plain_search() -> None:
     rng = random.Random(5)
     proposer = SuffixProposer(
@@ -265,5 +239,5 @@ def test_own_drafts_equal_a_plain_search() -> None:
             proposer.add_tokens(rid, step)
             tokens += step
             k = rng.randrange(1, 9)
-            assert proposer.propose(rid, k) == _naive_own_draft(tokens, k, 7, 0.1), tokens
+            assert proposer.propose(rid, k) == naive_suffix_draft(tokens, k, 7, 0.1), tokens
         proposer.finish_request(rid)

@@ -242,6 +242,10 @@ class WorkerStats(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Adapter copies into a slot since the worker started."""
     lora_evictions: int = 0
     """Resident adapters displaced (least recently used) to make room for another."""
+    spec_num_draft_tokens: int = 0
+    """Tokens drafted for speculative decoding since the worker started (0 when off)."""
+    spec_num_accepted_tokens: int = 0
+    """Of those, the ones verification accepted."""
 
 
 class Heartbeat(_Message, tag="heartbeat", kw_only=True):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Annotated, Any
 
+from gpu_worker.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from shared.cli_fields import Flag
 from shared.model_card import SchedulingPolicy
 from shared.model_source import DEFAULT_MODEL
@@ -150,9 +151,14 @@ class EngineConfig:
     """The directory runtime loads (render's --lora-modules and POST
     /v1/load_lora_adapter) must resolve inside, symlinks followed; without it they are
     refused."""
+    speculative_config: Annotated[str | None, Flag(section="Speculative decoding")] = None
+    """vLLM's JSON object, e.g. '{"method": "ngram", "num_speculative_tokens": 4}':
+    draft up to K tokens per decode step (ngram: prompt lookup; suffix: suffix decoding)
+    and verify them in one forward pass; greedy output is unchanged (default: off)."""
 
     def __post_init__(self) -> None:
         self._check_lora()
+        self.speculative()  # a malformed or unsupported config fails at start
         size, nnodes = self.tensor_parallel_size, self.nnodes
         if size < 1:
             raise ValueError(f"tensor_parallel_size must be positive, got {size}")
@@ -183,6 +189,21 @@ class EngineConfig:
                 "must be positive"
             )
         self.lora_module_paths()  # a malformed entry fails at start
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed --speculative-config, None when off; a ValueError names the bad field
+        or the setting not served yet."""
+        if self.speculative_config is None:
+            return None
+        config = parse_speculative_config(self.speculative_config)
+        if config.method == "draft_model":
+            raise ValueError(
+                "--speculative-config: method 'draft_model' is not served yet: use 'ngram' or "
+                "'suffix'"
+            )
+        if self.tensor_parallel_size > 1:
+            raise ValueError("--speculative-config is not served with tensor_parallel_size > 1 yet")
+        return config
 
     def lora_module_paths(self) -> dict[str, Path]:
         """The --lora-modules as name -> path; a ValueError names a malformed or repeated one."""

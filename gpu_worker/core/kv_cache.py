@@ -276,6 +276,19 @@ class KVCacheManager:
                 run.token_ids.extend(tokens)
         self._num_hashed_blocks[seq.request_id] = max(start, num_full)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> bool:
+        """Free the blocks of `seq` past the first `num_tokens` tokens (tail first): those a
+        verify step allocated for drafts it rejected. They were never hashed (hashes stop
+        at the computed tokens). Returns whether any block was freed, so the caller can
+        tell the runner that the sequence's table shrank."""
+        num_kept = -(-num_tokens // self.block_size)
+        if len(seq.block_table) <= num_kept:
+            return False
+        for block_id in reversed(seq.block_table[num_kept:]):
+            self.pool.free_block(self.pool.blocks[block_id])
+        del seq.block_table[num_kept:]
+        return True
+
     def free(self, seq: Sequence) -> None:
         """Release every block of `seq` (tail first, so tail blocks are evicted first)."""
         for block_id in reversed(seq.block_table):

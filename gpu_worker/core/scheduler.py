@@ -12,6 +12,11 @@ running sequences get the budget in key order, and `running[-1]` is preempted fi
 preempted sequence goes back into `waiting` at its key, under "fcfs" its front: nothing
 newer than it was admitted before it.
 
+Speculative decoding (`propose` given): a running sequence that decodes may get drafted
+tokens; it is scheduled for 1 + k tokens (its last known token and the k drafts) with KV
+slots for all of them, and `update` keeps the verified head (`verified`), setting its
+progress to the kept tokens and freeing the blocks only rejected drafts used.
+
 LoRA: the running set holds at most `max_loras` distinct adapters (the runner's slots).
 A waiting request of a further adapter is the one exception to head-of-line order: base
 requests behind it may pass, adapter requests may not (see `schedule`).
@@ -22,7 +27,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from gpu_worker.core.config import SchedulerConfig
@@ -41,6 +46,9 @@ class ScheduledSequence:
     will_sample: bool
     """The scheduled tokens reach the end of the known tokens, so the last one's logits
     give a new token; False for a prefill chunk that is not the last."""
+    draft_token_ids: list[int] = field(default_factory=list)
+    """Drafted tokens scheduled after the last known one (`num_new_tokens` counts them):
+    the step verifies them from the logits at all 1 + k positions."""
 
     @property
     def prompt_logprob_positions(self) -> range:
@@ -65,6 +73,9 @@ class SchedulerOutput:
     aborted or preempted: their blocks are freed), each handed out once, as in vLLM v1:
     the runner and the sampler drop their per-request rows for them. Released before this
     step's sequences are laid out, so an id reused by a new request gets a fresh row."""
+    shrunk_request_ids: list[str] = field(default_factory=list)
+    """Set by `update`: running sequences whose block tables lost their tail (rejected
+    drafts' blocks freed); the runner rewrites their rows."""
 
     @property
     def is_empty(self) -> bool:
@@ -79,8 +90,12 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         kv_cache_manager: KVCacheManager,
         eos_token_ids: Iterable[int] = (),
+        propose: Callable[[Sequence, int], list[int]] | None = None,
     ) -> None:
         self.config = scheduler_config
+        self.propose = propose
+        """Drafts for a decoding sequence, at most the given count (speculative decoding);
+        None: no speculation."""
         self.kv = kv_cache_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.num_cache_tokens = kv_cache_manager.num_blocks * kv_cache_manager.block_size
@@ -159,6 +174,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = self._num_new_tokens(seq, seq.num_computed_tokens, budget)
+            drafts = self._drafts(seq, num_new, budget)
+            if drafts and self.kv.allocate_slots(seq, num_new + len(drafts)):
+                self._emit(out, seq, seq.num_computed_tokens, num_new + len(drafts), drafts)
+                budget -= num_new + len(drafts)
+                i += 1
+                continue
+            # No room for the drafts: decode plainly, preempting as without speculation.
             while not self.kv.allocate_slots(seq, num_new):
                 victim = self.running.pop()  # the last in order; never one already scheduled
                 self._preempt(victim)
@@ -211,16 +233,32 @@ class Scheduler:
         out.finished_request_ids, self._left_running = self._left_running, []
         return out
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+    def update(
+        self,
+        output: SchedulerOutput,
+        sampled: Mapping[str, int],
+        verified: Mapping[str, list[int]] | None = None,
+    ) -> list[Sequence]:
         """Apply a finished step: advance progress, append sampled tokens, check stops.
 
-        `sampled` maps request_id to the new token of every sequence with `will_sample`.
-        Returns the sequences that got a token (finished ones included, blocks freed).
+        `sampled` maps request_id to the new token of every sequence with `will_sample` and
+        no drafts; `verified` maps each one with drafts to the tokens it keeps (its accepted
+        drafts then the target's own token). Returns the sequences that got a token
+        (finished ones included, blocks freed).
         """
         changed: list[Sequence] = []
         for item in output.scheduled:
             seq = item.seq
             if seq.is_finished:  # aborted between schedule() and update()
+                continue
+            if item.draft_token_ids:
+                assert verified is not None, "a step with drafts is verified"
+                self._keep_verified(output, seq, item, verified[seq.request_id])
+                changed.append(seq)
+                if seq.is_finished:
+                    self.running.remove(seq)
+                    self._left_running.append(seq.request_id)
+                    self._release(seq)
                 continue
             seq.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
             self.kv.cache_full_blocks(seq)
@@ -235,6 +273,36 @@ class Scheduler:
                 self._release(seq)
             changed.append(seq)
         return changed
+
+    def _keep_verified(
+        self, output: SchedulerOutput, seq: Sequence, item: ScheduledSequence, kept: list[int]
+    ) -> None:
+        """Append the verified tokens one by one, as plain decoding would have, stopping at
+        the first that ends the sequence; KV stays valid up to the last kept draft."""
+        for token_id in kept:
+            seq.append_token(token_id)
+            self._check_stop(seq, token_id)
+            if seq.is_finished:
+                break
+        # Every appended token but the last was an input of this step: its KV was written
+        # (the last one's comes with the next step, as after a plain decode).
+        seq.num_computed_tokens = seq.num_tokens - 1
+        self.kv.cache_full_blocks(seq)
+        if not seq.is_finished and self.kv.trim(seq, seq.num_computed_tokens):
+            output.shrunk_request_ids.append(seq.request_id)
+
+    def _drafts(self, seq: Sequence, num_new: int, budget: int) -> list[int]:
+        """Drafts for `seq` this step, or none: only a decoding sequence (one new token, its
+        last) speculates, and no further than its output, the context and the budget allow,
+        so every kept token is one plain decoding could have produced."""
+        if self.propose is None or num_new != 1 or seq.num_computed_tokens != seq.num_tokens - 1:
+            return []
+        room = min(
+            seq.sampling.max_tokens - seq.num_output_tokens - 1,
+            self.max_seq_len - seq.num_tokens - 1,
+            budget - 1,
+        )
+        return self.propose(seq, room) if room > 0 else []
 
     def _running_adapters(self) -> set[str]:
         """The distinct adapters of the running sequences (empty when LoRA is off)."""
@@ -255,9 +323,19 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         return min(num_new, threshold) if threshold is not None else num_new
 
-    def _emit(self, out: SchedulerOutput, seq: Sequence, num_computed: int, num_new: int) -> None:
-        will_sample = num_computed + num_new == seq.num_tokens
-        out.scheduled.append(ScheduledSequence(seq, num_computed, num_new, will_sample))
+    def _emit(
+        self,
+        out: SchedulerOutput,
+        seq: Sequence,
+        num_computed: int,
+        num_new: int,
+        drafts: list[int] | None = None,
+    ) -> None:
+        drafts = drafts or []
+        will_sample = num_computed + num_new - len(drafts) == seq.num_tokens
+        out.scheduled.append(
+            ScheduledSequence(seq, num_computed, num_new, will_sample, list(drafts))
+        )
         out.num_batched_tokens += num_new
 
     def _preempt(self, seq: Sequence) -> None:

@@ -12,6 +12,11 @@ With `enable_lora`, requests name registered LoRA adapters (`Generate.lora_name`
 registry (`gpu_worker.lora.manager`) holds them in CPU memory, the runner makes each step's
 adapters resident in slots and one forward pass mixes them with base-model rows. Under
 tensor parallelism the registry is rank 0's; its slot changes travel with each step.
+
+With `speculative_config` (ngram or suffix), a drafter follows every request (its prompt,
+then the tokens it keeps); each step a decoding request that may speculate
+(`_may_speculate`) is scheduled with up to K drafts, the runner returns logits at all
+1 + k positions and `verify` keeps the accepted head plus one token of the target's.
 """
 
 from __future__ import annotations
@@ -38,9 +43,14 @@ from gpu_worker.lora.layers import LoRAState
 from gpu_worker.lora.manager import LoRAConflictError, LoRARegistry
 from gpu_worker.lora.paths import InvalidLoRAError, LoRAError
 from gpu_worker.runner.device import resolve_device
+from gpu_worker.sampling.penalties import has_penalty
 from gpu_worker.sampling.prompt_logprobs import record_prompt_logprobs, score_prompt_rows
 from gpu_worker.sampling.sampler import Sampler, SamplerOutput, new_sampler_state
 from gpu_worker.sampling.structured import RequestMatcher, StructuredOutputs
+from gpu_worker.sampling.target import target_probs
+from gpu_worker.sampling.upload import upload
+from gpu_worker.spec_decode.drafter import Drafter, make_drafter
+from gpu_worker.spec_decode.verify import DraftedRequest, verify
 from shared.constraints import ConstraintError
 from shared.model_card import ModelCard
 from shared.model_source import ModelSource, resolve_model
@@ -139,6 +149,14 @@ class Engine:
             self.runner = build_runner(config, rank, group, post_forward, lora)
         self.lora: LoRARegistry | None = None if lora is None else lora[0]
         """The registered adapters; None when LoRA is off."""
+        speculative = config.speculative()
+        self.drafter: Drafter | None = None if speculative is None else make_drafter(speculative)
+        """Proposes drafts for speculative decoding; None when it is off."""
+        self.num_speculative_tokens = (
+            0 if speculative is None else speculative.num_speculative_tokens
+        )
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
         self.kv = KVCacheManager(
             CacheConfig(
                 block_size=config.block_size,
@@ -157,6 +175,7 @@ class Engine:
             ),
             self.kv,
             self.eos_token_ids,
+            propose=None if self.drafter is None else self._propose,
         )
         self.structured = StructuredOutputs(source, mc.vocab_size, self.eos_token_ids)
         self.structured.start_loading()
@@ -217,6 +236,8 @@ class Engine:
             sampler_state=new_sampler_state(request.sampling, matcher),
         )
         self.scheduler.add(seq)
+        if self.drafter is not None:
+            self.drafter.start_request(key, seq.prompt_token_ids)
 
     def _validate(self, request: Generate, key: str) -> RequestMatcher | None:
         """Raise RequestRejected if the request cannot run here; return its grammar matcher
@@ -295,7 +316,10 @@ class Engine:
 
     def abort(self, request_keys: list[str]) -> None:
         """Stop these requests and free their KV blocks now."""
-        self.scheduler.finish_requests(request_keys, FinishReason.ABORT)
+        finished = self.scheduler.finish_requests(request_keys, FinishReason.ABORT)
+        if self.drafter is not None:
+            for seq in finished:
+                self.drafter.finish_request(seq.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -322,25 +346,120 @@ class Engine:
         if run.prompt_hidden is not None:
             self._score_prompts(output.scheduled, run.prompt_hidden)
         sampling_items = [item for item in output.scheduled if item.will_sample]
-        sampled: dict[str, int] = {}
-        result: SamplerOutput | None = None
-        if sampling_items:
-            result = self.sampler.sample(logits, [item.seq for item in sampling_items])
-            for item, token_id in zip(sampling_items, result.token_ids, strict=True):
-                sampled[item.seq.request_id] = token_id
-        changed = self.scheduler.update(output, sampled)
+        plain_items, sampled, result, verified = self._sample(logits, sampling_items)
+        num_before = {item.seq.request_id: item.seq.num_output_tokens for item in sampling_items}
+        changed = self.scheduler.update(output, sampled, verified)
+        if output.shrunk_request_ids:
+            # Their tables lost blocks: the runner rewrites their rows from scratch.
+            self.runner.release(output.shrunk_request_ids)
         errors = self._advance_matchers(changed)
         self._num_steps += 1
         if not changed:
             return []
-        logprobs = self._logprobs(sampling_items, result) if result is not None else {}
-        return [self._delta(seq, logprobs, errors) for seq in changed]
+        num_new = {
+            seq.request_id: seq.num_output_tokens - num_before[seq.request_id] for seq in changed
+        }
+        if self.drafter is not None:
+            for seq in changed:
+                self.drafter.add_tokens(
+                    seq.request_id, seq.output_token_ids[-num_new[seq.request_id] :]
+                )
+                if seq.is_finished:
+                    self.drafter.finish_request(seq.request_id)
+        logprobs = self._logprobs(plain_items, result) if result is not None else {}
+        return [self._delta(seq, num_new[seq.request_id], logprobs, errors) for seq in changed]
+
+    def _sample(
+        self, logits: torch.Tensor, items: list[ScheduledSequence]
+    ) -> tuple[
+        list[ScheduledSequence], dict[str, int], SamplerOutput | None, dict[str, list[int]] | None
+    ]:
+        """Sample the items without drafts (one logits row each) and verify the ones with
+        (k + 1 rows each, in batch order): the plain items, their tokens and the sampler's
+        output, and the tokens each drafted item keeps (None without drafts)."""
+        plain_items: list[ScheduledSequence] = []
+        plain_rows: list[int] = []
+        drafted_items: list[ScheduledSequence] = []
+        drafted_rows: list[int] = []
+        row = 0
+        for item in items:
+            width = 1 + len(item.draft_token_ids)
+            if width > 1:
+                drafted_items.append(item)
+                drafted_rows.extend(range(row, row + width))
+            else:
+                plain_items.append(item)
+                plain_rows.append(row)
+            row += width
+        sampled: dict[str, int] = {}
+        result: SamplerOutput | None = None
+        if plain_items:
+            plain_logits = logits
+            if drafted_items:
+                plain_logits = logits.index_select(0, upload(plain_rows, torch.long, logits.device))
+            result = self.sampler.sample(plain_logits, [item.seq for item in plain_items])
+            for item, token_id in zip(plain_items, result.token_ids, strict=True):
+                sampled[item.seq.request_id] = token_id
+        verified = self._verify(logits, drafted_rows, drafted_items) if drafted_items else None
+        return plain_items, sampled, result, verified
+
+    def _propose(self, seq: Sequence, room: int) -> list[int]:
+        """The scheduler's drafts for a decoding `seq`: at most `room` tokens, none for a
+        request that may not speculate."""
+        assert self.drafter is not None, "the scheduler proposes only with a drafter"
+        if not _may_speculate(seq):
+            return []
+        return self.drafter.propose(seq.request_id, min(self.num_speculative_tokens, room))
+
+    def _verify(
+        self, logits: torch.Tensor, rows: list[int], items: list[ScheduledSequence]
+    ) -> dict[str, list[int]]:
+        """Verify the drafts of `items` against their logits `rows` (k + 1 each, in order);
+        the tokens each keeps. Greedy rows are read as logits (their argmax), sampled ones
+        as the sampler's probabilities (`target_probs`)."""
+        target = logits.index_select(0, upload(rows, torch.long, logits.device))
+        target = target[:, : self.vocab_size].float()
+        requests: list[DraftedRequest] = []
+        sampled_rows: list[int] = []
+        sampled_params: list[SamplingParams] = []
+        first = 0
+        for item in items:
+            sampling = item.seq.sampling
+            width = 1 + len(item.draft_token_ids)
+            requests.append(
+                DraftedRequest(
+                    draft_token_ids=item.draft_token_ids,
+                    target_row=first,
+                    is_greedy=sampling.is_greedy,
+                    seed=sampling.seed,
+                    position=item.seq.num_output_tokens,
+                )
+            )
+            if not sampling.is_greedy:
+                sampled_rows.extend(range(first, first + width))
+                sampled_params.extend([sampling] * width)
+            first += width
+        if sampled_rows:
+            index = upload(sampled_rows, torch.long, target.device)
+            target = target.index_copy(
+                0, index, target_probs(target.index_select(0, index), sampled_params)
+            )
+        result = verify(target, requests)
+        self.spec_num_draft_tokens += sum(len(item.draft_token_ids) for item in items)
+        self.spec_num_accepted_tokens += sum(result.num_accepted)
+        return {
+            item.seq.request_id: tokens
+            for item, tokens in zip(items, result.token_ids, strict=True)
+        }
 
     @staticmethod
     def _delta(
-        seq: Sequence, logprobs: dict[str, list[TokenLogprobs]], errors: dict[str, str]
+        seq: Sequence,
+        num_new: int,
+        logprobs: dict[str, list[TokenLogprobs]],
+        errors: dict[str, str],
     ) -> RequestDelta:
-        """The wire delta of a sequence that got one token this step."""
+        """The wire delta of a sequence that got `num_new` tokens this step."""
         error = errors.get(seq.request_id)
         finish = _WIRE_FINISH[seq.finish_reason] if seq.finish_reason is not None else None
         # Gathered while the prompt ran; the first delta (this one, when set) takes them.
@@ -348,7 +467,7 @@ class Engine:
         prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, None
         return RequestDelta(
             request_id=seq.request_id,
-            new_token_ids=[seq.output_token_ids[-1]],
+            new_token_ids=seq.output_token_ids[-num_new:],
             finish_reason="error" if error is not None else finish,
             stop_token_id=seq.stop_token_id,
             num_prompt_tokens=seq.num_prompt_tokens,
@@ -356,7 +475,7 @@ class Engine:
             logprobs=logprobs.get(seq.request_id),
             error=error,
             # Only the first delta carries it: the render tier records it once per request.
-            queue_time=seq.queue_time if seq.num_output_tokens == 1 else None,
+            queue_time=seq.queue_time if seq.num_output_tokens == num_new else None,
             prompt_logprobs=prompt_logprobs,
         )
 
@@ -441,6 +560,8 @@ class Engine:
             lora_resident=lora.resident if lora is not None else [],
             lora_loads=lora.slots.num_loads if lora is not None else 0,
             lora_evictions=lora.slots.num_evictions if lora is not None else 0,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
         )
 
     # ---- offline API ---------------------------------------------------------------
@@ -496,3 +617,20 @@ class Engine:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _may_speculate(seq: Sequence) -> bool:
+    """Whether verification reproduces this request's distribution: `target_probs` models
+    temperature, top-k, top-p and min-p alone. Penalties (which change with each kept
+    token), min_tokens still pending, structured outputs, logprobs, logit_bias and token
+    filters (bad words, allowed ids) get no drafts in this slice."""
+    sampling = seq.sampling
+    state = seq.sampler_state
+    return not (
+        has_penalty(sampling)
+        or seq.num_output_tokens < sampling.min_tokens
+        or state.matcher is not None
+        or state.token_filter is not None
+        or sampling.logprobs is not None
+        or sampling.logit_bias
+    )

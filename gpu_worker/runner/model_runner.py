@@ -14,6 +14,10 @@ running sequence and writes only the blocks each gained, and the step's tables a
 gather of its rows on the device. Rows are freed through `release` with the scheduler's
 `finished_request_ids`.
 
+Speculative decoding: a sequence with drafts computes its last known token and its k
+drafts (query length 1 + k over its context: the prefill-style path, so a step with drafts
+never replays a decode CUDA graph) and samples at all 1 + k rows, for verification.
+
 LoRA (`use_lora`, before the graphs are captured): before a step's forward its adapters
 are made resident (the registry copies missing ones into slots) and every token row gets
 its sequence's slot, -1 for the base model: set on the model's `LoRAState` for an eager
@@ -61,7 +65,8 @@ class RunnerOutput:
     """One step's model output."""
 
     logits: torch.Tensor
-    """[sampling sequences, >= vocab] fp32 logits of each sampling sequence's last token."""
+    """[sampling rows, >= vocab] fp32 logits of each sampling sequence's last token, or of
+    its last 1 + k tokens when it has k drafts, in batch order."""
     prompt_hidden: torch.Tensor | None = None
     """[rows, hidden] final hidden states at every scheduled `prompt_logprob_positions`
     position, sequence by sequence in batch order; None when no sequence asked."""
@@ -224,11 +229,16 @@ class ModelRunner:
             input_ids = [seq.all_token_ids[start] for seq, start in zip(seqs, starts, strict=True)]
         else:
             input_ids = []
-            for seq, start, n in zip(seqs, starts, num_new, strict=True):
-                input_ids += seq.all_token_ids[start : start + n]
+            for item, seq, start, n in zip(scheduled, seqs, starts, num_new, strict=True):
+                drafts = item.draft_token_ids
+                input_ids += seq.all_token_ids[start : start + n - len(drafts)] + drafts
         query_lens = np.array(num_new, dtype=np.int64)
         context_lens = np.array(starts, dtype=np.int64)
-        will_sample = np.array([item.will_sample for item in scheduled], dtype=bool)
+        # The rows each sequence samples, ending its chunk: its last, or 1 + k with drafts.
+        num_sample_rows = np.array(
+            [1 + len(item.draft_token_ids) if item.will_sample else 0 for item in scheduled],
+            dtype=np.int64,
+        )
         num_prompt_rows = np.array(
             [
                 len(item.prompt_logprob_positions)
@@ -243,7 +253,11 @@ class ModelRunner:
         layout = layout_batch(
             query_lens, context_lens, self.block_table.host, self.block_size, table.rows
         )
-        sample_rows = layout.query_start_loc[1:][will_sample] - 1
+        ends = layout.query_start_loc[1:]
+        if num_sample_rows.max(initial=0) > 1:
+            sample_rows = _first_rows(ends - num_sample_rows, num_sample_rows)
+        else:
+            sample_rows = ends[num_sample_rows > 0] - 1
         every_row_samples = len(sample_rows) == layout.num_tokens
         prompt_rows = None
         if num_prompt_rows.any():

@@ -70,6 +70,7 @@ ALLOWED: dict[str, set[str]] = {
         "gpu_worker.lora",
         "gpu_worker.runner",
         "gpu_worker.sampling",
+        "gpu_worker.spec_decode",
         "gpu_worker.loader",
         "gpu_worker.models",
         "gpu_worker.attention",
@@ -110,7 +111,7 @@ ALLOWED: dict[str, set[str]] = {
     # `parallelize`, which swaps them into a built model.
     "gpu_worker.distributed": {"gpu_worker.models", "gpu_worker.ops", "shared"},
     # The pure-Python engine core: scheduler, KV block manager, sequences, config.
-    "gpu_worker.core": {"gpu_worker.sampling.state", "shared"},
+    "gpu_worker.core": {"gpu_worker.sampling.state", "gpu_worker.spec_decode.config", "shared"},
     "gpu_worker.sampling": {"shared"},
     "gpu_worker.__init__": {"gpu_worker.engine"},
     "render_server.__init__": set(),

@@ -230,6 +230,25 @@ class _WorkerCollector(Collector):
         yield from (alive, running, waiting, kv_usage)
         yield from (vllm_running, vllm_waiting, vllm_kv_usage, queries, hits)
         yield from (lora_info, lora_resident, lora_registered, lora_loads, lora_evictions)
+        yield from self._spec_decode()
+
+    def _spec_decode(self) -> Iterator[Metric]:
+        """vLLM's speculative decoding counters, per worker, for workers that drafted."""
+        labels = ["model_name", "worker"]
+        drafted = CounterMetricFamily(
+            "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", labels=labels
+        )
+        accepted = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", labels=labels
+        )
+        for status in self._statuses():
+            stats = status.stats
+            if stats is None or not stats.spec_num_draft_tokens:
+                continue
+            key = [self._model_name, status.address]
+            drafted.add_metric(key, stats.spec_num_draft_tokens)
+            accepted.add_metric(key, stats.spec_num_accepted_tokens)
+        yield from (drafted, accepted)
 
 
 class GenerationMetrics:

@@ -65,6 +65,7 @@ def test_histograms_under_both_names_have_their_own_edges_and_exact_counts() -> 
     stats = WorkerStats(
         num_running=3, num_waiting=2, kv_blocks_free=30, kv_blocks_total=40,
         prefix_cache_queries=500, prefix_cache_hits=128,
+        spec_num_draft_tokens=40, spec_num_accepted_tokens=25,
     )  # fmt: skip
     status = types.SimpleNamespace(address="tcp://w:1", alive=True, stats=stats)
     metrics = GenerationMetrics(host, lambda: [status], model_name="smol")  # type: ignore[list-item]
@@ -108,4 +109,6 @@ def test_histograms_under_both_names_have_their_own_edges_and_exact_counts() -> 
     assert samples[("vllm:kv_cache_usage_perc", worker)] == 0.25
     assert samples[("vllm:prefix_cache_queries_total", worker)] == 500
     assert samples[("vllm:prefix_cache_hits_total", worker)] == 128
+    assert samples[("vllm:spec_decode_num_draft_tokens_total", worker)] == 40
+    assert samples[("vllm:spec_decode_num_accepted_tokens_total", worker)] == 25
     assert samples[("duet_worker_num_requests_running", (("worker", "tcp://w:1"),))] == 3

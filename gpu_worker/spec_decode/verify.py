@@ -13,7 +13,11 @@ without speculation:
   draft x, proposed with probability q(x), is accepted with probability min(1, p(x)/q(x));
   at the first rejection the correction is drawn from norm(max(0, p - q)); the bonus from
   p. A drafter that proposes deterministically (n-gram, suffix) has a one-hot q: accept x
-  with probability p(x), and on rejection draw from p with x removed.
+  with probability p(x), and on rejection draw from p with x removed. That is done here
+  by drawing each position's token as the sampler would (its own uniform there) and
+  accepting the draft while it equals the draw, the first draw that differs being the
+  correction: the same law, and a seeded request emits exactly the tokens it would emit
+  without speculation, whichever drafts (or other requests' outputs) it was shown.
 
 Randomness: a seeded request's uniforms depend on its seed, the output position of the
 token being decided and their purpose (`Purpose`) alone, so its tokens are the same
@@ -116,8 +120,17 @@ def verify(
     first_rows = upload([r.target_row for r in requests], torch.long, device)
     rows = first_rows[:, None] + torch.minimum(positions, drafts.count[:, None])
     argmax = target.max(dim=-1).indices if any(greedy) else None
+    sampled = [b for b, g in enumerate(greedy) if not g]
+    index = upload(sampled, torch.long, device)
+    # Deterministic drafts: every sampled position's own draw, which decides both.
+    draws = None
+    if sampled and draft_probs is None:
+        sampled_requests = [requests[b] for b in sampled]
+        draws = _draw_every_position(target, rows.index_select(0, index), sampled_requests)
     if k_max > 0:
-        accepted = _accepted(target, rows[:, :k_max], drafts, draft_probs, argmax, requests)
+        accepted = _accepted(
+            target, rows[:, :k_max], drafts, draft_probs, argmax, requests, index, draws
+        )
         valid = torch.arange(k_max, device=device)[None, :] < drafts.count[:, None]
         # The head of consecutive acceptances: a rejection ends the run.
         num_accepted = (accepted & valid).long().cumprod(dim=1).sum(dim=1)
@@ -125,19 +138,20 @@ def verify(
         num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
 
     decided_row = rows.gather(1, num_accepted[:, None]).squeeze(1)
-    sampled = [b for b, g in enumerate(greedy) if not g]
     if not sampled:
         assert argmax is not None  # every request is greedy
         last = argmax[decided_row]
     else:
-        index = upload(sampled, torch.long, device)
-        picks = _draw_last(
-            target.index_select(0, decided_row[index]),
-            num_accepted[index],
-            drafts.select(index),
-            draft_probs,
-            _uniforms([requests[b] for b in sampled], width, Purpose.DRAW, device),
-        )
+        if draws is not None:
+            picks = draws.gather(1, num_accepted[index][:, None]).squeeze(1)
+        else:
+            picks = _draw_last(
+                target.index_select(0, decided_row[index]),
+                num_accepted[index],
+                drafts.select(index),
+                draft_probs,
+                _uniforms([requests[b] for b in sampled], width, Purpose.DRAW, device),
+            )
         last = picks if argmax is None else argmax[decided_row].index_copy_(0, index, picks)
 
     # The step's host<->device sync.
@@ -214,16 +228,24 @@ def _accepted(
     draft_probs: torch.Tensor | None,
     argmax: torch.Tensor | None,
     requests: Sequence[DraftedRequest],
+    sampled: torch.Tensor,
+    draws: torch.Tensor | None,
 ) -> torch.Tensor:
     """[batch, k_max] bool: whether each draft passes its own test, whatever the ones
     before it did (padding included; the caller masks it). `rows` [batch, k_max]: the
     target row each draft is tested against; `argmax` [rows of target]: None without
-    greedy requests."""
+    greedy requests; `sampled` the sampled requests' indices and `draws` [len(sampled),
+    k_max + 1] their draws at each position, for deterministic drafts (else None)."""
     tokens = drafts.token_ids
     greedy = [r.is_greedy for r in requests]
     passes_greedy = None if argmax is None else tokens == argmax[rows]
     if passes_greedy is not None and all(greedy):
         return passes_greedy
+    if draws is not None:
+        passes_sampled = draws[:, : tokens.shape[1]] == tokens.index_select(0, sampled)
+        if passes_greedy is None:
+            return passes_sampled
+        return passes_greedy.index_copy(0, sampled, passes_sampled)
     p = target[rows, tokens].double()
     q = None if draft_probs is None else draft_probs[drafts.rows, tokens].double()
     passes = accepts(_uniforms(requests, tokens.shape[1], Purpose.ACCEPT, target.device), p, q)
@@ -254,6 +276,17 @@ def _draw_last(
             q = draft_probs.index_select(0, drafts.rows.gather(1, at).squeeze(1))
         weights = correction_weights(p, rejected, drafts.token_ids.gather(1, at).squeeze(1), q)
     return draw(weights.float().log(), u.gather(1, num_accepted[:, None]).squeeze(1))
+
+
+def _draw_every_position(
+    target: torch.Tensor, rows: torch.Tensor, requests: Sequence[DraftedRequest]
+) -> torch.Tensor:
+    """[m, width] the token each of m sampled requests draws at each of its positions, as
+    the sampler draws it there: `rows` [m, width] the target rows, DRAW uniforms."""
+    width = rows.shape[1]
+    u = _uniforms(requests, width, Purpose.DRAW, target.device)
+    logits = target.index_select(0, rows.reshape(-1)).float().log()
+    return draw(logits, u.reshape(-1)).view(rows.shape)
 
 
 def _uniforms(

@@ -168,8 +168,6 @@ SEEDED = [
 
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_seeded_sampling_is_reproducible_with_speculation(model_dir: Path, method: str) -> None:
-    # Fresh engines: suffix decoding's drafts also come from earlier requests' outputs, and
-    # which drafts a sampled request sees changes which of its valid samples it takes.
     runs = []
     for _ in range(2):
         engine = _engine(model_dir, METHODS[method])
@@ -178,9 +176,11 @@ def test_seeded_sampling_is_reproducible_with_speculation(model_dir: Path, metho
     assert runs[0] == runs[1]
 
 
-def test_seeded_sampling_with_ngram_drafts_ignores_the_batch(model_dir: Path) -> None:
-    # Prompt lookup drafts from the request's own tokens alone.
-    engine = _engine(model_dir, NGRAM)
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_seeded_sampling_with_drafts_ignores_the_batch(model_dir: Path, method: str) -> None:
+    # Suffix drafts also come from other requests' outputs, but a seeded row emits the
+    # tokens of its own draws whatever it was shown (spec_decode.verify).
+    engine = _engine(model_dir, METHODS[method])
     alone = _tokens(engine, PROMPTS[:3], SEEDED)
     batched = _tokens(engine, [PROMPTS[3], *PROMPTS[:3]], [GREEDY, *SEEDED])
     assert batched[1:] == alone

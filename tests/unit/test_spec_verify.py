@@ -118,16 +118,23 @@ def _accept_ignoring_q(u: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None)
     return u < p
 
 
+def _argmax_draws(
+    target: torch.Tensor, rows: torch.Tensor, requests: list[DraftedRequest]
+) -> torch.Tensor:
+    """A sampled row decided as if greedy: its draws ignore their uniforms."""
+    return target.index_select(0, rows.reshape(-1)).argmax(dim=-1).view(rows.shape)
+
+
 @pytest.mark.parametrize(
     ("full_q", "name", "wrong"),
     [
-        (False, "correction_weights", _correction_from_p),
+        (False, "_draw_every_position", _argmax_draws),
         (True, "correction_weights", _correction_from_p),
         (True, "correction_weights", _one_hot_residual),
         (True, "accepts", _accept_ignoring_q),
     ],
     ids=[
-        "one-hot, correction from p",
+        "one-hot, draws ignore their uniforms",
         "full q, correction from p",
         "full q, residual as if one-hot",
         "full q, acceptance ignores q",
@@ -271,6 +278,28 @@ def test_without_drafts_a_seeded_request_draws_as_the_sampler() -> None:
         got.append(verify(target, [_request([], 0, seed=seed, position=seed % 7)]).token_ids[0][0])
     assert got == expected
     assert len(set(got)) > 3
+
+
+def test_with_deterministic_drafts_a_seeded_request_emits_its_tokens_without_them() -> None:
+    """One-hot drafts are tested against each position's own draw, so whatever the drafts
+    (all right, some right, none), the emitted tokens are the ones the request draws with
+    no speculation: its seeded output cannot depend on what a drafter proposed."""
+    target = torch.softmax(torch.randn(5, 6, generator=torch.Generator().manual_seed(4)), dim=-1)
+    plain = []
+    for j in range(5):  # one token a step, no drafts: the sampler's stream
+        [token] = verify(target[j : j + 1], [_request([], 0, seed=9, position=30 + j)]).token_ids
+        plain += token
+    drafts_tried = [
+        plain[:4],
+        [plain[0], (plain[1] + 1) % 6, plain[2], plain[3]],
+        [(plain[0] + 1) % 6] * 4,
+        plain[:2],
+    ]
+    for drafts in drafts_tried:
+        out = verify(target, [_request(drafts, 0, seed=9, position=30)])
+        emitted = out.token_ids[0]
+        assert emitted == plain[: len(emitted)], drafts
+    assert verify(target, [_request(plain[:4], 0, seed=9, position=30)]).num_accepted == [4]
 
 
 def test_no_drafts_emits_one_token_from_the_first_row() -> None:

@@ -90,6 +90,24 @@ def ngram_step_rows(calls: int, prompt: list[int]) -> list[tuple[str, str, float
     proposer = NgramProposer(config)
     proposer.start_request("r", prompt)
     tokens = list(prompt)
+    fast, slow = decode_steps(proposer, naive_ngram, tokens, output, calls)
+    from_list = median_ms(calls, lambda _: ngram_draft(tokens, K, NGRAM_MIN, NGRAM_MAX))
+    return [
+        ("ngram step (append 1, draft 8), NgramProposer", size, fast, slow),
+        ("ngram_draft on a list[int] (converted each call)", size, from_list, slow),
+    ]
+
+
+def decode_steps(
+    proposer: NgramProposer | SuffixProposer,
+    naive: Callable[[list[int], int], list[int]],
+    tokens: list[int],
+    output: list[int],
+    calls: int,
+) -> tuple[float, float]:
+    """Median ms of one decode step (append the next output token, draft K) of request "r"
+    in `proposer` and by the plain search over `tokens` (its prompt, extended in place);
+    the two must draft alike at the end."""
 
     def step(call: int) -> None:
         proposer.add_tokens("r", [output[call]])
@@ -97,16 +115,12 @@ def ngram_step_rows(calls: int, prompt: list[int]) -> list[tuple[str, str, float
 
     def naive_step(call: int) -> None:
         tokens.append(output[call])
-        naive_ngram(tokens, K)
+        naive(tokens, K)
 
     fast = median_ms(calls, step)
     slow = median_ms(calls, naive_step)
-    assert proposer.propose("r", K) == naive_ngram(tokens, K)
-    from_list = median_ms(calls, lambda _: ngram_draft(tokens, K, NGRAM_MIN, NGRAM_MAX))
-    return [
-        ("ngram step (append 1, draft 8), NgramProposer", size, fast, slow),
-        ("ngram_draft on a list[int] (converted each call)", size, from_list, slow),
-    ]
+    assert proposer.propose("r", K) == naive(tokens, K)
+    return fast, slow
 
 
 def ngram_rows(calls: int, rng: random.Random) -> list[tuple[str, str, float, float]]:
@@ -138,19 +152,7 @@ def suffix_step_row(calls: int, prompt: list[int]) -> tuple[tuple[str, str, floa
     proposer.start_request("r", prompt)
     build_ms = (time.thread_time_ns() - start) / 1e6
     nodes = proposer.num_nodes("r")
-    tokens = list(prompt)
-
-    def step(call: int) -> None:
-        proposer.add_tokens("r", [output[call]])
-        proposer.propose("r", K)
-
-    def naive_step(call: int) -> None:
-        tokens.append(output[call])
-        naive_suffix(tokens, K)
-
-    fast = median_ms(calls, step)
-    slow = median_ms(calls, naive_step)
-    assert proposer.propose("r", K) == naive_suffix(tokens, K)
+    fast, slow = decode_steps(proposer, naive_suffix, list(prompt), output, calls)
     note = (
         f"{length}-token prompt: `start_request` {build_ms:.1f} ms, "
         f"{nodes / length:.1f} trie nodes per prompt token"

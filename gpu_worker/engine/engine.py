@@ -13,10 +13,9 @@ registry (`gpu_worker.lora.manager`) holds them in CPU memory, the runner makes 
 adapters resident in slots and one forward pass mixes them with base-model rows. Under
 tensor parallelism the registry is rank 0's; its slot changes travel with each step.
 
-With `speculative_config` (ngram or suffix), a drafter follows every request (its prompt,
-then the tokens it keeps); each step a decoding request that may speculate
-(`_may_speculate`) is scheduled with up to K drafts, the runner returns logits at all
-1 + k positions and `verify` keeps the accepted head plus one token of the target's.
+With `speculative_config` (ngram or suffix), the `Speculator` (gpu_worker.engine.speculation)
+drafts for decoding requests, which are scheduled with up to K drafts; the runner returns
+logits at all 1 + k positions and verification keeps the accepted head plus one token.
 """
 
 from __future__ import annotations
@@ -38,19 +37,16 @@ from gpu_worker.distributed.group import TPGroup
 from gpu_worker.engine.errors import RequestRejected
 from gpu_worker.engine.profile_sampling import profile_sampling
 from gpu_worker.engine.rank import RankModel, attach_lora_slots, build_runner, load_rank_model
+from gpu_worker.engine.speculation import Speculator
 from gpu_worker.engine.tp_worker import TPLeader
 from gpu_worker.lora.layers import LoRAState
 from gpu_worker.lora.manager import LoRAConflictError, LoRARegistry
 from gpu_worker.lora.paths import InvalidLoRAError, LoRAError
 from gpu_worker.runner.device import resolve_device
-from gpu_worker.sampling.penalties import has_penalty
 from gpu_worker.sampling.prompt_logprobs import record_prompt_logprobs, score_prompt_rows
 from gpu_worker.sampling.sampler import Sampler, SamplerOutput, new_sampler_state
 from gpu_worker.sampling.structured import RequestMatcher, StructuredOutputs
-from gpu_worker.sampling.target import target_probs
 from gpu_worker.sampling.upload import upload
-from gpu_worker.spec_decode.drafter import Drafter, make_drafter
-from gpu_worker.spec_decode.verify import DraftedRequest, verify
 from shared.constraints import ConstraintError
 from shared.model_card import ModelCard
 from shared.model_source import ModelSource, resolve_model
@@ -150,13 +146,8 @@ class Engine:
         self.lora: LoRARegistry | None = None if lora is None else lora[0]
         """The registered adapters; None when LoRA is off."""
         speculative = config.speculative()
-        self.drafter: Drafter | None = None if speculative is None else make_drafter(speculative)
-        """Proposes drafts for speculative decoding; None when it is off."""
-        self.num_speculative_tokens = (
-            0 if speculative is None else speculative.num_speculative_tokens
-        )
-        self.spec_num_draft_tokens = 0
-        self.spec_num_accepted_tokens = 0
+        self.speculator = None if speculative is None else Speculator(speculative, self.vocab_size)
+        """Speculative decoding's drafter, verification and counts; None when it is off."""
         self.kv = KVCacheManager(
             CacheConfig(
                 block_size=config.block_size,
@@ -175,7 +166,7 @@ class Engine:
             ),
             self.kv,
             self.eos_token_ids,
-            propose=None if self.drafter is None else self._propose,
+            propose=None if self.speculator is None else self.speculator.propose,
         )
         self.structured = StructuredOutputs(source, mc.vocab_size, self.eos_token_ids)
         self.structured.start_loading()
@@ -236,8 +227,8 @@ class Engine:
             sampler_state=new_sampler_state(request.sampling, matcher),
         )
         self.scheduler.add(seq)
-        if self.drafter is not None:
-            self.drafter.start_request(key, seq.prompt_token_ids)
+        if self.speculator is not None:
+            self.speculator.start(seq)
 
     def _validate(self, request: Generate, key: str) -> RequestMatcher | None:
         """Raise RequestRejected if the request cannot run here; return its grammar matcher
@@ -317,9 +308,9 @@ class Engine:
     def abort(self, request_keys: list[str]) -> None:
         """Stop these requests and free their KV blocks now."""
         finished = self.scheduler.finish_requests(request_keys, FinishReason.ABORT)
-        if self.drafter is not None:
+        if self.speculator is not None:
             for seq in finished:
-                self.drafter.finish_request(seq.request_id)
+                self.speculator.finish(seq.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -359,13 +350,9 @@ class Engine:
         num_new = {
             seq.request_id: seq.num_output_tokens - num_before[seq.request_id] for seq in changed
         }
-        if self.drafter is not None:
+        if self.speculator is not None:
             for seq in changed:
-                self.drafter.add_tokens(
-                    seq.request_id, seq.output_token_ids[-num_new[seq.request_id] :]
-                )
-                if seq.is_finished:
-                    self.drafter.finish_request(seq.request_id)
+                self.speculator.kept(seq, num_new[seq.request_id])
         logprobs = self._logprobs(plain_items, result) if result is not None else {}
         return [self._delta(seq, num_new[seq.request_id], logprobs, errors) for seq in changed]
 
@@ -400,57 +387,11 @@ class Engine:
             result = self.sampler.sample(plain_logits, [item.seq for item in plain_items])
             for item, token_id in zip(plain_items, result.token_ids, strict=True):
                 sampled[item.seq.request_id] = token_id
-        verified = self._verify(logits, drafted_rows, drafted_items) if drafted_items else None
+        verified = None
+        if drafted_items:
+            assert self.speculator is not None, "only a speculator drafts"
+            verified = self.speculator.verify(logits, drafted_rows, drafted_items)
         return plain_items, sampled, result, verified
-
-    def _propose(self, seq: Sequence, room: int) -> list[int]:
-        """The scheduler's drafts for a decoding `seq`: at most `room` tokens, none for a
-        request that may not speculate."""
-        assert self.drafter is not None, "the scheduler proposes only with a drafter"
-        if not _may_speculate(seq):
-            return []
-        return self.drafter.propose(seq.request_id, min(self.num_speculative_tokens, room))
-
-    def _verify(
-        self, logits: torch.Tensor, rows: list[int], items: list[ScheduledSequence]
-    ) -> dict[str, list[int]]:
-        """Verify the drafts of `items` against their logits `rows` (k + 1 each, in order);
-        the tokens each keeps. Greedy rows are read as logits (their argmax), sampled ones
-        as the sampler's probabilities (`target_probs`)."""
-        target = logits.index_select(0, upload(rows, torch.long, logits.device))
-        target = target[:, : self.vocab_size].float()
-        requests: list[DraftedRequest] = []
-        sampled_rows: list[int] = []
-        sampled_params: list[SamplingParams] = []
-        first = 0
-        for item in items:
-            sampling = item.seq.sampling
-            width = 1 + len(item.draft_token_ids)
-            requests.append(
-                DraftedRequest(
-                    draft_token_ids=item.draft_token_ids,
-                    target_row=first,
-                    is_greedy=sampling.is_greedy,
-                    seed=sampling.seed,
-                    position=item.seq.num_output_tokens,
-                )
-            )
-            if not sampling.is_greedy:
-                sampled_rows.extend(range(first, first + width))
-                sampled_params.extend([sampling] * width)
-            first += width
-        if sampled_rows:
-            index = upload(sampled_rows, torch.long, target.device)
-            target = target.index_copy(
-                0, index, target_probs(target.index_select(0, index), sampled_params)
-            )
-        result = verify(target, requests)
-        self.spec_num_draft_tokens += sum(len(item.draft_token_ids) for item in items)
-        self.spec_num_accepted_tokens += sum(result.num_accepted)
-        return {
-            item.seq.request_id: tokens
-            for item, tokens in zip(items, result.token_ids, strict=True)
-        }
 
     @staticmethod
     def _delta(
@@ -548,6 +489,7 @@ class Engine:
         """Load and cache numbers for heartbeats."""
         prefix = self.kv.stats
         lora = self.lora
+        spec = self.speculator
         return WorkerStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -560,8 +502,8 @@ class Engine:
             lora_resident=lora.resident if lora is not None else [],
             lora_loads=lora.slots.num_loads if lora is not None else 0,
             lora_evictions=lora.slots.num_evictions if lora is not None else 0,
-            spec_num_draft_tokens=self.spec_num_draft_tokens,
-            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+            spec_num_draft_tokens=0 if spec is None else spec.num_draft_tokens,
+            spec_num_accepted_tokens=0 if spec is None else spec.num_accepted_tokens,
         )
 
     # ---- offline API ---------------------------------------------------------------
@@ -617,20 +559,3 @@ class Engine:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _may_speculate(seq: Sequence) -> bool:
-    """Whether verification reproduces this request's distribution: `target_probs` models
-    temperature, top-k, top-p and min-p alone. Penalties (which change with each kept
-    token), min_tokens still pending, structured outputs, logprobs, logit_bias and token
-    filters (bad words, allowed ids) get no drafts in this slice."""
-    sampling = seq.sampling
-    state = seq.sampler_state
-    return not (
-        has_penalty(sampling)
-        or seq.num_output_tokens < sampling.min_tokens
-        or state.matcher is not None
-        or state.token_filter is not None
-        or sampling.logprobs is not None
-        or sampling.logit_bias
-    )

@@ -211,7 +211,7 @@ def test_unservable_speculative_config_fails_at_start(kwargs: dict[str, Any], me
 
 def test_speculation_is_off_by_default(plain: Engine) -> None:
     assert EngineConfig().speculative() is None
-    assert plain.drafter is None
+    assert plain.speculator is None
     assert plain.scheduler.propose is None
 
 

@@ -207,6 +207,19 @@ class ForwardTimer:
         return getattr(self._model, name)
 
 
+def time_forward(engine: Engine) -> ForwardTimer:
+    """Bill every forward and LM head call of `engine` to one timer: the model's, and the
+    decode graph replays, which bypass runner.model and are forward time too."""
+    runner = engine.runner
+    timer = ForwardTimer(runner.model, engine.device)
+    runner.model = timer
+    graphs = runner.decode_graphs
+    if graphs is not None:
+        replay = graphs.run
+        graphs.run = lambda *a, **kw: timer.timed(replay, *a, **kw)  # type: ignore[method-assign]
+    return timer
+
+
 def make_engine(
     args: argparse.Namespace, dtype: str, max_num_seqs: int, **engine_args: Any
 ) -> tuple[Engine, ForwardTimer]:
@@ -218,12 +231,7 @@ def make_engine(
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         **engine_args,
     )
-    timer = ForwardTimer(engine.runner.model, engine.device)
-    engine.runner.model = timer
-    graphs = engine.runner.decode_graphs
-    if graphs is not None:  # replays bypass runner.model; they are forward time too
-        run_graph = graphs.run
-        graphs.run = lambda *a, **kw: timer.timed(run_graph, *a, **kw)  # type: ignore[method-assign]
+    timer = time_forward(engine)
     # Warm up on prompts outside the workload, then forget them from the prefix cache.
     warm = [[100 + i + 1000 * j for i in range(120)] for j in range(min(max_num_seqs, 4))]
     engine.generate(warm, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))

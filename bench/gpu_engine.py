@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from engine import ForwardTimer, build_workload
+from engine import build_workload, time_forward
 from random_model import write_random_llama
 from results_md import command_line, write_section
 
@@ -150,18 +150,6 @@ def closed_loop(
     if ignore_eos:
         assert [len(o) for o in outputs] == output_lens, "the engine cut a request short"
     return seconds, outputs
-
-
-def time_forward(engine: Engine) -> ForwardTimer:
-    """Bill every forward and LM head call (eager or graph replay) to one timer."""
-    runner = engine.runner
-    timer = ForwardTimer(runner.model, engine.device)
-    runner.model = timer  # type: ignore[assignment]
-    graphs = runner.decode_graphs
-    if graphs is not None:
-        replay = graphs.run
-        graphs.run = lambda *a, **kw: timer.timed(replay, *a, **kw)  # type: ignore[method-assign]
-    return timer
 
 
 def profile_steps(engine: Engine, prompts: list[list[int]]) -> StepProfile:

@@ -177,8 +177,11 @@ class CompletionDerenderRequest(JsonBody):
     """With `stream`: one event of the generate stream of prompt `prompt_index`."""
     prompt_index: int = Field(default=0, ge=0, lt=MAX_DERENDER_PROMPTS)
     stream_state: DerenderStreamState | None = None
-    prompt_token_ids: list[PromptIds] | None = Field(default=None, max_length=MAX_DERENDER_PROMPTS)
-    """Each prompt; unset: each generate response's, else `completion_request`'s prompts."""
+    prompt_token_ids: list[PromptIds] | None = Field(
+        default=None, min_length=1, max_length=MAX_DERENDER_PROMPTS
+    )
+    """Each prompt; unset: each generate response's, else `completion_request`'s prompts.
+    Never empty: a streamed derender would have no prompt to stream for."""
     completion_request: CompletionRequest | None = None
     """The completions body that was rendered (stop strings, echo, logprobs)."""
     model: str | None = None

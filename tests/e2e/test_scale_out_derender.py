@@ -169,6 +169,16 @@ def _generated(token_ids: list[int], **choice: Any) -> dict[str, Any]:
             {"generate_responses": [_generated([1])], "prompt_token_ids": [[1], [2]]},
             "generate_responses",
         ),
+        # No prompt at all to stream for (the HTTP fuzzer found this one a 500).
+        (
+            "/v1/completions/derender",
+            {
+                "stream": True,
+                "generate_chunk": {"choices": [{"index": 0, "token_ids": []}]},
+                "prompt_token_ids": [],
+            },
+            "prompt_token_ids",
+        ),
         # Numbers written back into the answer: past 64 bits they could not be encoded.
         (
             "/v1/chat/completions/derender",

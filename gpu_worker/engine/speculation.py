@@ -18,16 +18,20 @@ from gpu_worker.sampling.penalties import has_penalty
 from gpu_worker.sampling.target import target_probs
 from gpu_worker.sampling.upload import upload
 from gpu_worker.spec_decode.config import SpeculativeConfig
-from gpu_worker.spec_decode.drafter import make_drafter
+from gpu_worker.spec_decode.drafter import Drafter, make_drafter
 from gpu_worker.spec_decode.verify import DraftedRequest, verify
 from shared.sampling import SamplingParams
 
 
 class Speculator:
-    """The engine's speculative decoding, with its drafter (ngram or suffix)."""
+    """The engine's speculative decoding, with its drafter."""
 
-    def __init__(self, config: SpeculativeConfig, vocab_size: int) -> None:
-        self.drafter = make_drafter(config)
+    def __init__(
+        self, config: SpeculativeConfig, vocab_size: int, drafter: Drafter | None = None
+    ) -> None:
+        self.drafter = make_drafter(config) if drafter is None else drafter
+        """The method's drafter: given for a draft model (which the engine builds), else
+        the model-free one `config` names."""
         self.num_speculative_tokens = config.num_speculative_tokens
         self.vocab_size = vocab_size
         self.num_draft_tokens = 0

@@ -15,8 +15,12 @@ gather of its rows on the device. Rows are freed through `release` with the sche
 `finished_request_ids`.
 
 Speculative decoding: a sequence with drafts computes its last known token and its k
-drafts (query length 1 + k over its context: the prefill-style path, so a step with drafts
-never replays a decode CUDA graph) and samples at all 1 + k rows, for verification.
+drafts and samples at all 1 + k rows, for verification. Attention sees those 1 + k tokens
+as 1 + k one-token decodes of the same block-table row, the j-th over the context plus
+drafts 0..j-1 (all written to the cache before any layer reads it): a verify step is a
+decode step to every backend, so it takes the CPU decode kernel, the Triton decode kernel
+and the decode CUDA graphs, and each row's attention is computed exactly as a plain decode
+of that token would compute it.
 
 LoRA (`use_lora`, before the graphs are captured): before a step's forward its adapters
 are made resident (the registry copies missing ones into slots) and every token row gets
@@ -28,7 +32,7 @@ follower has no registry: its steps arrive with rank 0's slots (`execute_host`).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -151,8 +155,9 @@ class ModelRunner:
         return self.execute_host(self.prepare(scheduled), self.adapter_slots(scheduled))
 
     def adapter_slots(self, scheduled: list[ScheduledSequence]) -> np.ndarray | None:
-        """Each sequence's adapter slot (-1: the base model), its adapters made resident
-        first; None when LoRA is off or no sequence of the step has an adapter. What
+        """Each attention sequence's adapter slot (-1: the base model), its adapters made
+        resident first (a drafted sequence's slot repeated over its 1 + k verify rows);
+        None when LoRA is off or no sequence of the step has an adapter. What
         `execute_host` takes (and a TP rank 0 sends its followers with the step)."""
         names = {item.seq.lora_name for item in scheduled}
         names.discard(None)
@@ -161,13 +166,15 @@ class ModelRunner:
         if self._lora_registry is None:
             raise RuntimeError("the step names adapters but this runner has no LoRA registry")
         slot_of = self._lora_registry.acquire(name for name in names if name is not None)
-        return np.array(
+        slots = np.array(
             [
                 -1 if item.seq.lora_name is None else slot_of[item.seq.lora_name]
                 for item in scheduled
             ],
             dtype=np.int32,
         )
+        repeats = _attention_rows(scheduled)
+        return slots if repeats is None else np.repeat(slots, repeats)
 
     def _set_lora_rows(self, layout: BatchLayout, seq_slots: np.ndarray | None) -> None:
         """An eager step's slot per token row, each sequence's repeated over its tokens."""
@@ -250,6 +257,19 @@ class ModelRunner:
         )
 
         table = self.block_table.update(seqs)
+        repeats = _attention_rows(scheduled)
+        if repeats is not None:
+            # Each drafted sequence's 1 + k tokens become 1 + k one-token decodes, the
+            # j-th after its context and drafts 0..j-1; every one of them samples.
+            offsets = np.arange(int(repeats.sum())) - np.repeat(
+                np.cumsum(repeats) - repeats, repeats
+            )
+            context_lens = np.repeat(context_lens, repeats) + offsets
+            drafted = np.repeat(repeats > 1, repeats)
+            query_lens = np.where(drafted, 1, np.repeat(query_lens, repeats))
+            num_sample_rows = np.where(drafted, 1, np.repeat(num_sample_rows, repeats))
+            num_prompt_rows = np.where(drafted, 0, np.repeat(num_prompt_rows, repeats))
+            table = replace(table, rows=np.repeat(table.rows, repeats))
         layout = layout_batch(
             query_lens, context_lens, self.block_table.host, self.block_size, table.rows
         )
@@ -296,6 +316,14 @@ class ModelRunner:
         its shape."""
         num_rows, num_cols = shape
         self.block_table.reserve(num_cols, num_rows)
+
+
+def _attention_rows(scheduled: list[ScheduledSequence]) -> np.ndarray | None:
+    """How many attention sequences each scheduled one becomes: 1 + k for one with k
+    drafts (its verify rows), 1 otherwise; None when no sequence drafted."""
+    if not any(item.draft_token_ids for item in scheduled):
+        return None
+    return np.array([1 + len(item.draft_token_ids) for item in scheduled], dtype=np.int64)
 
 
 def _first_rows(chunk_starts: np.ndarray, counts: np.ndarray) -> np.ndarray:

@@ -3,7 +3,9 @@
 The JSON's fields and defaults are vLLM's (`vllm/config/speculative.py`): `method` is one
 of "ngram", "suffix", "draft_model"; `num_speculative_tokens` is K, the most tokens drafted
 per step. Fields that belong to another method are refused rather than ignored, so a typo
-or a misplaced field fails at startup with the field's name in the message.
+or a misplaced field fails at startup with the field's name in the message; so are vLLM's
+draft-model fields this worker does not serve (`quantization`, `revision`, `code_revision`,
+a `draft_tensor_parallel_size` other than 1).
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ class _SpeculativeConfigJson(msgspec.Struct, forbid_unknown_fields=True, kw_only
     method: str | None = None
     num_speculative_tokens: int | None = None
     model: str | None = None
+    draft_tensor_parallel_size: int | None = None
+    max_model_len: int | None = None
+    enforce_eager: bool | None = None
+    quantization: str | None = None
+    revision: str | None = None
+    code_revision: str | None = None
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     suffix_decoding_max_tree_depth: int | None = None
@@ -48,7 +56,15 @@ _SUFFIX_FIELDS = (
 _FIELDS_OF: dict[str, tuple[str, ...]] = {
     "ngram": _NGRAM_FIELDS,
     "suffix": _SUFFIX_FIELDS,
-    "draft_model": ("model",),
+    "draft_model": ("model", "draft_tensor_parallel_size", "max_model_len", "enforce_eager"),
+}
+# vLLM's draft-model fields with nothing to serve them here: the draft is read from local
+# files as they are (no hub revisions, no quantization applied at load).
+_UNSERVED_FIELDS: dict[str, str] = {
+    "quantization": "the draft model is loaded as its files hold it (a .gguf keeps its "
+    "quantization)",
+    "revision": "models are local files or built-in names, not hub revisions",
+    "code_revision": "models are local files or built-in names, not hub revisions",
 }
 
 
@@ -62,6 +78,14 @@ class SpeculativeConfig:
     """K: the most tokens drafted per request per step (suffix decoding may draft fewer)."""
     model: str | None = None
     """draft_model only: the draft model (name, .gguf or HF directory), same tokenizer."""
+    draft_tensor_parallel_size: int = 1
+    """draft_model: ranks of the draft model; only 1 is served (the draft runs on the
+    target's device, in the target's process)."""
+    max_model_len: int | None = None
+    """draft_model: the draft engine's longest sequence (default: the draft model's
+    context); requests past it are verified without drafts."""
+    enforce_eager: bool | None = None
+    """draft_model: no CUDA graphs for the draft engine (default: the target's setting)."""
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
     """ngram: the shortest n-gram whose match counts."""
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
@@ -87,6 +111,12 @@ class SpeculativeConfig:
             raise ValueError("model is required for method 'draft_model'")
         if self.method != "draft_model" and self.model is not None:
             raise ValueError(f"model is only for method 'draft_model', not {self.method!r}")
+        self._check(
+            "draft_tensor_parallel_size",
+            self.draft_tensor_parallel_size == 1,
+            "1 (the draft model runs unsharded beside the target)",
+        )
+        self._check("max_model_len", self.max_model_len is None or self.max_model_len >= 1, ">= 1")
         self._check("prompt_lookup_min", self.prompt_lookup_min >= 1, ">= 1")
         self._check(
             "prompt_lookup_max",
@@ -139,6 +169,10 @@ def _resolve(raw: _SpeculativeConfigJson) -> SpeculativeConfig:
     if method is None:
         raise ValueError(f"--speculative-config: method must be one of {METHODS}, got {named!r}")
     given = {name for name in raw.__struct_fields__ if getattr(raw, name) is not None}
+    unserved = sorted(given.intersection(_UNSERVED_FIELDS))
+    if unserved:
+        name = unserved[0]
+        raise ValueError(f"--speculative-config: {name} is not served: {_UNSERVED_FIELDS[name]}")
     for other, names in _FIELDS_OF.items():
         misplaced = sorted(given.intersection(names)) if other != method else []
         if misplaced:
@@ -162,6 +196,11 @@ def _resolve(raw: _SpeculativeConfigJson) -> SpeculativeConfig:
             method=method,
             num_speculative_tokens=tokens,
             model=raw.model,
+            draft_tensor_parallel_size=_given(
+                raw.draft_tensor_parallel_size, defaults.draft_tensor_parallel_size
+            ),
+            max_model_len=raw.max_model_len,
+            enforce_eager=raw.enforce_eager,
             prompt_lookup_min=lookup_min,
             prompt_lookup_max=lookup_max,
             suffix_decoding_max_tree_depth=depth,

@@ -1,4 +1,9 @@
-"""What the engine asks of a model-free drafter, and the one place that picks it."""
+"""What the engine asks of a drafter, and the one place that picks a model-free one.
+
+The model-free drafters (`ngram`, `suffix`) live in this package; the draft_model drafter
+runs a second engine, so it lives beside the engine (`gpu_worker.engine.draft_model`),
+which builds it and hands it to its `Speculator`.
+"""
 
 from __future__ import annotations
 
@@ -14,22 +19,26 @@ class Drafter(Protocol):
     """Per-request drafting state, fed the tokens each request accepts.
 
     The engine calls `start_request` when a request is admitted, `add_tokens` with the
-    tokens it accepts each step (in order, output only), `propose` before a verify step,
-    and `finish_request` when it finishes or is aborted."""
+    tokens it accepts each step (in order, output only), `propose` for each decoding
+    request the scheduler drafts for (while it schedules the step), and `finish_request`
+    when it finishes or is aborted. A drafter may batch its work across requests: the
+    draft model drafts for every request with new tokens at the step's first `propose`."""
 
     def start_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None: ...
 
     def add_tokens(self, request_id: str, token_ids: Sequence[int]) -> None: ...
 
     def propose(self, request_id: str, k: int) -> list[int]:
-        """At most k drafted tokens, possibly none; mutates nothing."""
+        """At most k drafted tokens, possibly none. Asking twice without new tokens gives
+        the same drafts: no request's state changes (a draft model may fill its cache)."""
         ...
 
     def finish_request(self, request_id: str) -> None: ...
 
 
 def make_drafter(config: SpeculativeConfig) -> Drafter:
-    """The model-free drafter of `config.method`; a draft model is the engine's to run."""
+    """The model-free drafter of `config.method`; a draft model's drafter is the engine's
+    to build (`gpu_worker.engine.draft_model.build_draft_drafter`)."""
     if config.method == "ngram":
         return NgramProposer(config)
     if config.method == "suffix":

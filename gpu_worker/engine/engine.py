@@ -146,7 +146,7 @@ class Engine:
         self.lora: LoRARegistry | None = None if lora is None else lora[0]
         """The registered adapters; None when LoRA is off."""
         speculative = config.speculative()
-        self.speculator = None if speculative is None else Speculator(speculative, self.vocab_size)
+        self.speculator = None if speculative is None else Speculator(speculative, self.sampler)
         """Speculative decoding's drafter, verification and counts; None when it is off."""
         self.kv = KVCacheManager(
             CacheConfig(
@@ -354,6 +354,8 @@ class Engine:
             for seq in changed:
                 self.speculator.kept(seq, num_new[seq.request_id])
         logprobs = self._logprobs(plain_items, result) if result is not None else {}
+        if self.speculator is not None:  # the verified requests' tokens
+            logprobs.update(self.speculator.kept_logprobs(num_new))
         return [self._delta(seq, num_new[seq.request_id], logprobs, errors) for seq in changed]
 
     def _sample(

@@ -73,25 +73,68 @@ class PenaltyRows:
                 self._free.append(row.index)
 
     def apply(
-        self, x: torch.Tensor, batch_rows: Sequence[int], requests: Sequence[SamplingRequest]
+        self,
+        x: torch.Tensor,
+        batch_rows: Sequence[int],
+        requests: Sequence[SamplingRequest],
+        drafts_before: Sequence[list[int]] | None = None,
     ) -> None:
         """Penalize `x[batch_rows[i]]` ([n, vocab] logits, in place) for `requests[i]`:
-        repetition (HF: prompt and output), then frequency and presence (OpenAI: output)."""
+        repetition (HF: prompt and output), then frequency and presence (OpenAI: output).
+
+        Speculative decoding's verify rows (`drafts_before` given) each count the drafts
+        before them as output too: row i is penalized as the sampler would penalize it
+        after `requests[i]`'s output and then `drafts_before[i]`. A request may fill
+        several rows; the persistent rows still count its output alone."""
         index = upload(self._sync(requests), torch.long, self.device)
         whole = len(batch_rows) == x.shape[0]  # then batch_rows is every row, in order
         rows = None if whole else upload(list(batch_rows), torch.long, self.device)
         xs = x if rows is None else x.index_select(0, rows)
+        seen = self.seen.index_select(0, index)
+        subtract = self.subtract.index_select(0, index)
+        if drafts_before is not None:
+            self._count_drafts(seen, subtract, requests, drafts_before)
 
         rep = [r.sampling.repetition_penalty for r in requests]
         if any(r != 1.0 for r in rep):
             # x / r where x > 0, x * r elsewhere, on seen tokens only: one scale per element.
             penalty = upload(rep, torch.float32, self.device)[:, None]
             scale = torch.where(xs > 0, penalty.reciprocal(), penalty)
-            xs.mul_(torch.where(self.seen.index_select(0, index), scale, 1.0))
+            xs.mul_(torch.where(seen, scale, 1.0))
         if any(r.sampling.frequency_penalty or r.sampling.presence_penalty for r in requests):
-            xs.sub_(self.subtract.index_select(0, index))
+            xs.sub_(subtract)
         if rows is not None:
             x.index_copy_(0, rows, xs)
+
+    def _count_drafts(
+        self,
+        seen: torch.Tensor,
+        subtract: torch.Tensor,
+        requests: Sequence[SamplingRequest],
+        drafts_before: Sequence[list[int]],
+    ) -> None:
+        """Add each row's drafts to its copies of the persistent rows (`seen`, `subtract`:
+        [n, vocab], one per batch row), the way `_sync` adds output tokens: in order, so
+        the sums round as they will once the drafts are output."""
+        rows: list[int] = []
+        cols: list[int] = []
+        amounts: list[float] = []
+        for i, (request, drafts) in enumerate(zip(requests, drafts_before, strict=True)):
+            if not drafts:
+                continue
+            in_output = set(self._rows[request.request_id].in_output)
+            frequency = request.sampling.frequency_penalty
+            presence = request.sampling.presence_penalty
+            for token in drafts:
+                amounts.append(frequency + (presence if token not in in_output else 0.0))
+                in_output.add(token)
+            rows.extend([i] * len(drafts))
+            cols.extend(drafts)
+        if rows:
+            at = (self._upload(rows), self._upload(cols))
+            seen[at] = True
+            values = upload(amounts, torch.float32, self.device)
+            subtract.index_put_(at, values, accumulate=True)
 
     def _sync(self, requests: Sequence[SamplingRequest]) -> list[int]:
         """Each request's row, taken if it has none, with the tokens it gained since the

@@ -100,6 +100,34 @@ class RequestMatcher:
         else:
             self._gate_tail = self._gate_tail[-len(self._gate) :]
 
+    def num_valid_drafts(self, draft_token_ids: list[int]) -> int:
+        """How many of the drafts, from the first, speculative decoding may verify after
+        the output this matcher consumed: the head the grammar accepts, short of the draft
+        that would complete it (plain decoding ends the request right after that token,
+        which verification cannot do within a step). Behind a gate, the head short of the
+        draft that would pass the gate (the rows after it would need the grammar's masks
+        from its start). The matcher's state is unchanged."""
+        if self._gate is not None:
+            assert self._tokenizer is not None
+            tail = self._gate_tail
+            for count, token_id in enumerate(draft_token_ids):
+                tail += self._tokenizer.decode_bytes([token_id])
+                if self._gate in tail:
+                    return count
+            return len(draft_token_ids)
+        head = draft_token_ids[: self.matcher.validate_tokens(draft_token_ids)]
+        consumed = 0
+        stopped = False
+        for token_id in head:
+            self.matcher.consume_token(token_id)
+            consumed += 1
+            stopped = self.matcher.is_stopped()
+            if stopped:
+                break
+        if consumed:
+            self.matcher.rollback(consumed)
+        return consumed - 1 if stopped else consumed
+
     def sync(self, output_token_ids: list[int]) -> None:
         """Make the matcher's consumed tokens equal the constrained part of the output."""
         if self._gate is not None:
@@ -195,7 +223,27 @@ class GrammarMasker:
 
     def apply(self, logits: torch.Tensor, rows: list[int], matchers: list[RequestMatcher]) -> None:
         """Set logits[rows[i], t] = -inf for every token t that matchers[i] disallows."""
-        bitmask = self.fill(matchers)
+        self._mask(logits, rows, self.fill(matchers))
+
+    def apply_drafted(
+        self,
+        logits: torch.Tensor,
+        first_rows: list[int],
+        matchers: list[RequestMatcher],
+        draft_token_ids: list[list[int]],
+    ) -> None:
+        """Mask a verify step's rows: request i's k + 1 rows start at `first_rows[i]`, and
+        row j gets the mask of `matchers[i]` after it consumed the first j of its k drafts
+        (`draft_token_ids[i]`, which the grammar accepts: `num_valid_drafts`). The
+        matchers end in the state they started in."""
+        rows = [
+            first + j
+            for first, drafts in zip(first_rows, draft_token_ids, strict=True)
+            for j in range(len(drafts) + 1)
+        ]
+        self._mask(logits, rows, self.fill_drafted(matchers, draft_token_ids))
+
+    def _mask(self, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
         vocab = logits.shape[1]
         if self.device.type == "cuda":
             # Unpacked on the device: 32x less to copy than a per-token mask.
@@ -227,13 +275,51 @@ class GrammarMasker:
             self.num_words * 4,
             n,
         )
-        for row, m in enumerate(matchers):
-            if m.matcher.is_error():
-                # Allow EOS only, so the row stays finite; the engine then ends it.
-                host[row].zero_()
-                for token_id in self.eos_token_ids:
-                    host[row, token_id // 32] |= _bit(token_id % 32)
+        self._allow_eos_only([row for row, m in enumerate(matchers) if m.matcher.is_error()])
         return host
+
+    def fill_drafted(
+        self, matchers: list[RequestMatcher], draft_token_ids: list[list[int]]
+    ) -> torch.Tensor:
+        """[sum(k_i + 1), ceil(vocab / 32)] int32 host bitmask: matcher i's k_i + 1 rows
+        in order, row j after its first j drafts (see `apply_drafted`)."""
+        n = sum(len(d) + 1 for d in draft_token_ids)
+        host = self._host_rows(n)
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        first_rows: list[int] = []
+        first = 0
+        for drafts in draft_token_ids:
+            first_rows.append(first)
+            first += len(drafts) + 1
+        # llguidance advances each matcher through its drafts, fills a row per state and
+        # rolls it back: the masks of every depth in one parallel call.
+        self._executor.unsafe_compute_mask_ptr_with_draft_token(
+            [
+                (m.matcher, first, drafts)
+                for m, first, drafts in zip(matchers, first_rows, draft_token_ids, strict=True)
+            ],
+            host.data_ptr(),
+            self.num_words * 4,
+            n,
+        )
+        errored = [
+            first + j
+            for m, first, drafts in zip(matchers, first_rows, draft_token_ids, strict=True)
+            if m.matcher.is_error()
+            for j in range(len(drafts) + 1)
+        ]
+        self._allow_eos_only(errored)
+        return host
+
+    def _allow_eos_only(self, rows: list[int]) -> None:
+        """Rows of matchers in their error state allow EOS only, so they stay finite; the
+        engine then ends those requests."""
+        assert self._host is not None
+        for row in rows:
+            self._host[row].zero_()
+            for token_id in self.eos_token_ids:
+                self._host[row, token_id // 32] |= _bit(token_id % 32)
 
     def _host_rows(self, n: int) -> torch.Tensor:
         # One reused host buffer: the previous step's copy from it finished at that

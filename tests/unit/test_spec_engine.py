@@ -82,25 +82,6 @@ def test_greedy_equals_plain_decoding_batched_with_non_speculating_requests(
     assert _all_blocks_back(spec)
 
 
-@pytest.mark.parametrize(
-    "params",
-    [
-        PENALIZED,
-        SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12),
-        SamplingParams(temperature=0.0, max_tokens=12, logprobs=2),
-        SamplingParams(temperature=0.0, max_tokens=12, logit_bias={5: 1.0}),
-        SamplingParams(temperature=0.0, max_tokens=12, bad_words_token_ids=[[200]]),
-    ],
-    ids=["penalties", "min_tokens", "logprobs", "logit_bias", "bad_words"],
-)
-def test_requests_verify_does_not_model_get_no_drafts(
-    plain: Engine, spec: Engine, params: SamplingParams
-) -> None:
-    before = spec.stats().spec_num_draft_tokens
-    assert _tokens(spec, PROMPTS, [params] * 4) == _tokens(plain, PROMPTS, [params] * 4)
-    assert spec.stats().spec_num_draft_tokens == before
-
-
 def test_prefix_cache_hits_on_a_second_run(plain: Engine, model_dir: Path) -> None:
     engine = _engine(model_dir, NGRAM)
     want = _tokens(plain, PROMPTS, [GREEDY] * 4)

@@ -13,9 +13,11 @@ registry (`gpu_worker.lora.manager`) holds them in CPU memory, the runner makes 
 adapters resident in slots and one forward pass mixes them with base-model rows. Under
 tensor parallelism the registry is rank 0's; its slot changes travel with each step.
 
-With `speculative_config` (ngram or suffix), the `Speculator` (gpu_worker.engine.speculation)
-drafts for decoding requests, which are scheduled with up to K drafts; the runner returns
-logits at all 1 + k positions and verification keeps the accepted head plus one token.
+With `speculative_config` (ngram, suffix or a draft model, gpu_worker.engine.draft_model),
+the `Speculator` (gpu_worker.engine.speculation) drafts for decoding requests, which are
+scheduled with up to K drafts, as many as pay for their rows
+(gpu_worker.spec_decode.draft_length); the runner returns logits at all 1 + k positions and
+verification keeps the accepted head plus one token.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from gpu_worker.core.kv_cache import KVCacheManager
 from gpu_worker.core.scheduler import ScheduledSequence, Scheduler
 from gpu_worker.core.sequence import FinishReason, Sequence
 from gpu_worker.distributed.group import TPGroup
+from gpu_worker.engine.draft_model import DraftTarget, build_draft_drafter
 from gpu_worker.engine.errors import RequestRejected
 from gpu_worker.engine.profile_sampling import profile_sampling
 from gpu_worker.engine.rank import RankModel, attach_lora_slots, build_runner, load_rank_model
@@ -47,6 +50,7 @@ from gpu_worker.sampling.prompt_logprobs import record_prompt_logprobs, score_pr
 from gpu_worker.sampling.sampler import Sampler, SamplerOutput, new_sampler_state
 from gpu_worker.sampling.structured import RequestMatcher, StructuredOutputs
 from gpu_worker.sampling.upload import upload
+from gpu_worker.spec_decode.draft_length import DraftLengthController
 from shared.constraints import ConstraintError
 from shared.model_card import ModelCard
 from shared.model_source import ModelSource, resolve_model
@@ -146,8 +150,28 @@ class Engine:
         self.lora: LoRARegistry | None = None if lora is None else lora[0]
         """The registered adapters; None when LoRA is off."""
         speculative = config.speculative()
-        self.speculator = None if speculative is None else Speculator(speculative, self.sampler)
+        self.speculator = None
+        if speculative is not None:
+            drafter = None
+            if speculative.method == "draft_model":
+                target = DraftTarget(
+                    config=config,
+                    source=source,
+                    device=self.device,
+                    dtype=self.dtype,
+                    vocab_size=mc.vocab_size,
+                    num_kv_tokens=self.runner.kv_caches[0].shape[1] * config.block_size,
+                )
+                drafter = build_draft_drafter(speculative, target)
+            self.speculator = Speculator(speculative, self.sampler, drafter)
         """Speculative decoding's drafter, verification and counts; None when it is off."""
+        self.draft_length = (
+            DraftLengthController(speculative.num_speculative_tokens)
+            if speculative is not None and speculative.draft_length == "adaptive"
+            else None
+        )
+        """How many drafts pay for their rows, request by request; None without speculation
+        or with a fixed draft length."""
         self.kv = KVCacheManager(
             CacheConfig(
                 block_size=config.block_size,
@@ -166,7 +190,7 @@ class Engine:
             ),
             self.kv,
             self.eos_token_ids,
-            propose=None if self.speculator is None else self.speculator.propose,
+            propose=None if self.speculator is None else self._propose,
         )
         self.structured = StructuredOutputs(source, mc.vocab_size, self.eos_token_ids)
         self.structured.start_loading()
@@ -310,13 +334,16 @@ class Engine:
         finished = self.scheduler.finish_requests(request_keys, FinishReason.ABORT)
         if self.speculator is not None:
             for seq in finished:
-                self.speculator.finish(seq.request_id)
+                self._finish_speculation(seq.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestDelta]:
         """Run one engine step; return a delta for every sequence that got a token."""
+        start = time.perf_counter()
+        if self.draft_length is not None:
+            self.draft_length.begin_step(len(self.scheduler.running))
         output = self.scheduler.schedule()
         self.sampler.release(output.finished_request_ids)
         if self._tp is not None:
@@ -350,12 +377,9 @@ class Engine:
         num_new = {
             seq.request_id: seq.num_output_tokens - num_before[seq.request_id] for seq in changed
         }
-        if self.speculator is not None:
-            for seq in changed:
-                self.speculator.kept(seq, num_new[seq.request_id])
         logprobs = self._logprobs(plain_items, result) if result is not None else {}
-        if self.speculator is not None:  # the verified requests' tokens
-            logprobs.update(self.speculator.kept_logprobs(num_new))
+        if self.speculator is not None:
+            logprobs.update(self._speculation_kept(changed, num_new, output.scheduled, start))
         return [self._delta(seq, num_new[seq.request_id], logprobs, errors) for seq in changed]
 
     def _sample(
@@ -393,7 +417,60 @@ class Engine:
         if drafted_items:
             assert self.speculator is not None, "only a speculator drafts"
             verified = self.speculator.verify(logits, drafted_rows, drafted_items)
+            if self.draft_length is not None:
+                for item in drafted_items:
+                    num_kept = len(verified[item.seq.request_id])
+                    self.draft_length.verified(
+                        item.seq.request_id, len(item.draft_token_ids), num_kept - 1
+                    )
         return plain_items, sampled, result, verified
+
+    def _speculation_kept(
+        self,
+        changed: list[Sequence],
+        num_new: dict[str, int],
+        scheduled: list[ScheduledSequence],
+        start: float,
+    ) -> dict[str, list[TokenLogprobs]]:
+        """After a step: the drafter learns what each request kept (and lets finished ones
+        go), the draft-length controller what the step cost; the verified requests'
+        logprobs."""
+        assert self.speculator is not None
+        for seq in changed:
+            self.speculator.kept(seq, num_new[seq.request_id])
+            if seq.is_finished and self.draft_length is not None:
+                self.draft_length.finish(seq.request_id)  # its drafter went in `kept`
+        if self.draft_length is not None:
+            self._time_decode_step(scheduled, start)
+        return self.speculator.kept_logprobs(num_new)
+
+    def _propose(self, seq: Sequence, room: int) -> list[int]:
+        """The scheduler's drafts for a decoding `seq`: the drafter's, no more than the
+        draft-length controller finds worth their rows."""
+        assert self.speculator is not None
+        if self.draft_length is None:
+            return self.speculator.propose(seq, room)
+        limit = self.draft_length.limit(seq.request_id, room)
+        drafts = self.speculator.propose(seq, limit) if limit > 0 else []
+        self.draft_length.drafted(seq.request_id, len(drafts))
+        return drafts
+
+    def _time_decode_step(self, scheduled: list[ScheduledSequence], start: float) -> None:
+        """Tell the draft-length controller what a step of decodes only cost, end to end;
+        a step with prefill rows says nothing about a decode row's cost."""
+        assert self.draft_length is not None
+        if scheduled and all(
+            item.will_sample and item.num_new_tokens == 1 + len(item.draft_token_ids)
+            for item in scheduled
+        ):
+            rows = sum(item.num_new_tokens for item in scheduled)
+            self.draft_length.step_timed(rows, time.perf_counter() - start)
+
+    def _finish_speculation(self, request_id: str) -> None:
+        assert self.speculator is not None
+        self.speculator.finish(request_id)
+        if self.draft_length is not None:
+            self.draft_length.finish(request_id)
 
     @staticmethod
     def _delta(

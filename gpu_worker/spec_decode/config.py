@@ -17,6 +17,8 @@ import msgspec
 
 SpeculativeMethod = Literal["ngram", "suffix", "draft_model"]
 METHODS: tuple[SpeculativeMethod, ...] = get_args(SpeculativeMethod)
+DraftLength = Literal["adaptive", "fixed"]
+DRAFT_LENGTHS: tuple[DraftLength, ...] = get_args(DraftLength)
 
 _T = TypeVar("_T")
 
@@ -43,6 +45,7 @@ class _SpeculativeConfigJson(msgspec.Struct, forbid_unknown_fields=True, kw_only
     suffix_decoding_max_cached_nodes: int | None = None
     suffix_decoding_max_spec_factor: float | None = None
     suffix_decoding_min_token_prob: float | None = None
+    draft_length: str | None = None
 
 
 _NGRAM_FIELDS = ("prompt_lookup_min", "prompt_lookup_max")
@@ -103,6 +106,11 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
     """suffix: drafting stops at the first token whose estimated probability (from the
     tree's counts) falls below this."""
+    draft_length: DraftLength = "adaptive"
+    """Any method (not a vLLM field): "adaptive" gives each request, each step, the drafts
+    whose expected tokens pay for their rows (gpu_worker.spec_decode.draft_length), so
+    speculation switches itself off where it does not pay; "fixed" always drafts up to K,
+    as vLLM does."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -217,9 +225,19 @@ def _resolve(raw: _SpeculativeConfigJson) -> SpeculativeConfig:
             suffix_decoding_min_token_prob=_given(
                 raw.suffix_decoding_min_token_prob, defaults.suffix_decoding_min_token_prob
             ),
+            draft_length=_draft_length(raw.draft_length),
         )
     except ValueError as error:
         raise ValueError(f"--speculative-config: {error}") from None
+
+
+def _draft_length(named: str | None) -> DraftLength:
+    if named is None:
+        return "adaptive"
+    for choice in DRAFT_LENGTHS:
+        if choice == named:
+            return choice
+    raise ValueError(f"draft_length must be one of {DRAFT_LENGTHS}, got {named!r}")
 
 
 def _given(*values: _T | None) -> _T:

@@ -27,12 +27,8 @@ from tests.helpers.tiny_models import (
     save_tiny_model,
     save_tiny_tokenizer,
 )
+from tests.unit.test_spec_engine import METHODS
 
-METHODS = {
-    "ngram": '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
-    '"prompt_lookup_max": 4}',
-    "suffix": '{"method": "suffix", "num_speculative_tokens": 4}',
-}
 # Prompts that repeat themselves, so drafts from the prompt and output get accepted.
 PROMPTS = [
     [1] + [10 + i % 7 for i in range(40)],
@@ -73,10 +69,6 @@ def _engine(model_dir: Path, speculative: str | None) -> Engine:
         kv_cache_memory_gb=0.01,
         speculative_config=speculative,
     )
-    if engine.speculator is not None:
-        # Every draft the drafter has: how many drafts pay is the engine's timed choice,
-        # which would make whether these tests see drafts depend on the machine's speed.
-        engine.scheduler.propose = engine.speculator.propose
     return engine
 
 

@@ -153,8 +153,9 @@ class EngineConfig:
     refused."""
     speculative_config: Annotated[str | None, Flag(section="Speculative decoding")] = None
     """vLLM's JSON object, e.g. '{"method": "ngram", "num_speculative_tokens": 4}':
-    draft up to K tokens per decode step (ngram: prompt lookup; suffix: suffix decoding)
-    and verify them in one forward pass; greedy output is unchanged (default: off)."""
+    draft up to K tokens per decode step (ngram: prompt lookup; suffix: suffix decoding;
+    draft_model: a small model with the same tokenizer, '"model": PATH') and verify them
+    in one forward pass; greedy output is unchanged (default: off)."""
 
     def __post_init__(self) -> None:
         self._check_lora()
@@ -191,19 +192,10 @@ class EngineConfig:
         self.lora_module_paths()  # a malformed entry fails at start
 
     def speculative(self) -> SpeculativeConfig | None:
-        """The parsed --speculative-config, None when off; a ValueError names the bad field
-        or the setting not served yet."""
+        """The parsed --speculative-config, None when off; a ValueError names the bad field."""
         if self.speculative_config is None:
             return None
-        config = parse_speculative_config(self.speculative_config)
-        if config.method == "draft_model":
-            raise ValueError(
-                "--speculative-config: method 'draft_model' is not served yet: use 'ngram' or "
-                "'suffix'"
-            )
-        if self.tensor_parallel_size > 1:
-            raise ValueError("--speculative-config is not served with tensor_parallel_size > 1 yet")
-        return config
+        return parse_speculative_config(self.speculative_config)
 
     def lora_module_paths(self) -> dict[str, Path]:
         """The --lora-modules as name -> path; a ValueError names a malformed or repeated one."""

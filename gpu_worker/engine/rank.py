@@ -111,15 +111,20 @@ def attach_lora_slots(config: EngineConfig, rank: RankModel) -> tuple[LoRASlots,
 def decode_graph_batch_size(
     config: EngineConfig, device: torch.device, backend_name: str
 ) -> int | None:
-    """The largest decode batch to capture in CUDA graphs, or None for none: graphs need
-    CUDA and the Triton backend (the torch backend plans each step on the host), and
-    `enforce_eager` turns them off."""
+    """The largest decode batch, in rows, to capture in CUDA graphs, or None for none:
+    graphs need CUDA and the Triton backend (the torch backend plans each step on the
+    host), and `enforce_eager` turns them off. With speculative decoding a verify step is
+    a decode step of 1 + k rows per sequence, so the graphs go up to 1 + K times the
+    sequences."""
     if device.type != "cuda" or backend_name != "triton" or config.enforce_eager:
         return None
-    max_batch = config.cuda_graph_max_batch_size or min(config.max_num_seqs, 512)
+    speculative = config.speculative()
+    rows_per_seq = 1 if speculative is None else 1 + speculative.num_speculative_tokens
+    max_rows = config.max_num_seqs * rows_per_seq
+    max_batch = config.cuda_graph_max_batch_size or min(max_rows, 512)
     if max_batch < 1:
         raise ValueError(f"cuda_graph_max_batch_size must be positive, got {max_batch}")
-    return min(max_batch, config.max_num_seqs)
+    return min(max_batch, max_rows)
 
 
 def build_runner(

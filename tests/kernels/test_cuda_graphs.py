@@ -242,6 +242,32 @@ def test_cuda_graphs_equal_eager_on_smollm2(cuda_device: torch.device) -> None:
     assert outputs[False] == outputs[True]
 
 
+@pytest.mark.cuda
+def test_verify_steps_replay_decode_graphs_and_keep_greedy_output(
+    cuda_device: torch.device,
+) -> None:
+    # A verify step is a decode step of 1 + k rows per sequence: the graphs cover it.
+    prompts = _chat_prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    speculative = '{"method": "ngram", "num_speculative_tokens": 3, "draft_length": "fixed"}'
+    outputs = {}
+    for config in (None, speculative):
+        engine = Engine(device="cuda", max_num_seqs=8, speculative_config=config)
+        graphs = engine.runner.decode_graphs
+        assert graphs is not None
+        assert graphs.bucket_for(8 * 4) is not None
+        outputs[config] = [c.token_ids for c in engine.generate(prompts, params)]
+        if config is not None:
+            stats = engine.stats()
+            assert stats.spec_num_accepted_tokens > 0
+            # Fewer steps than tokens, and the decode steps (verify ones among them) replay.
+            assert engine.runner.num_graph_steps > 0
+            assert stats.steps < sum(map(len, outputs[config]))
+        del engine
+        torch.cuda.empty_cache()
+    assert outputs[speculative] == outputs[None]
+
+
 # bf16 logits of two attention paths (summation orders) differ by a few hundredths of a nat.
 BF16_LOGPROB_TOL = 0.15
 

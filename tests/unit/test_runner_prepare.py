@@ -126,3 +126,43 @@ def test_prepare_matches_the_list_builder_through_prefixes_chunks_and_preemption
     assert runner.block_table.num_live_rows == 0
     assert num_preempted > 0
     assert num_shared > 0
+
+
+def test_a_verify_step_is_laid_out_as_one_token_decodes_of_each_drafted_sequence() -> None:
+    kv = KVCacheManager(CacheConfig(block_size=BS, num_blocks=NUM_BLOCKS))
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128)
+    drafts = {"a": [5, 6, 7], "c": [9]}  # "b" drafts nothing
+    scheduler = Scheduler(
+        config, kv, eos_token_ids=[], propose=lambda seq, room: drafts.get(seq.request_id, [])
+    )
+    none = cast(Any, None)
+    runner = ModelRunner(none, none, [], BS, torch.device("cpu"))
+    for request_id, length in (("a", 6), ("b", 3), ("c", 9)):
+        params = SamplingParams(max_tokens=20, ignore_eos=True)
+        scheduler.add(Sequence(request_id, list(range(1, length + 1)), params, block_size=BS))
+    out = scheduler.schedule()  # the prompts
+    scheduler.update(out, {s.seq.request_id: 7 for s in out.scheduled if s.will_sample})
+    out = scheduler.schedule()
+    assert [len(item.draft_token_ids) for item in out.scheduled] == [3, 0, 1]
+
+    ids, positions, meta, sample_rows, _ = runner.upload(runner.prepare(out.scheduled))
+    # a: its last token and 3 drafts; b: its last token; c: its last token and 1 draft.
+    assert ids.tolist() == [7, 5, 6, 7, 7, 7, 9]
+    assert positions.tolist() == [6, 7, 8, 9, 3, 9, 10]
+    # Seven one-token decodes, each seeing its context and the drafts before it.
+    assert (meta.max_query_len, meta.num_seqs) == (1, 7)
+    assert meta.query_start_loc.tolist() == list(range(8))
+    assert meta.seq_lens.tolist() == [7, 8, 9, 10, 4, 10, 11]
+    assert meta.context_lens.tolist() == [6, 7, 8, 9, 3, 9, 10]
+    tables = meta.block_tables.tolist()
+    for rows, item in ((range(0, 4), out.scheduled[0]), (range(5, 7), out.scheduled[2])):
+        for row in rows:
+            table = item.seq.block_table
+            assert tables[row][: len(table)] == table
+    slots = [
+        item.seq.block_table[p // BS] * BS + p % BS
+        for item in out.scheduled
+        for p in range(item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens)
+    ]
+    assert meta.slot_mapping.tolist() == slots
+    assert sample_rows is None  # every row is verified

@@ -7,6 +7,7 @@ The config's draft-model fields are checked here too."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -22,9 +23,6 @@ from shared.sampling import SamplingParams
 from tests.helpers.tiny_models import save_byte_tokenizer, save_tiny_model, save_tiny_tokenizer
 
 K = 4
-# The target engine is built with ngram speculation and its drafter replaced: the engine's
-# config refuses draft_model until the engine builds the draft drafter itself.
-NGRAM = f'{{"method": "ngram", "num_speculative_tokens": {K}}}'
 PROMPTS = [
     [1] + [10 + i % 7 for i in range(40)],
     [3, 4, 5, 6] * 8,
@@ -58,32 +56,23 @@ def other_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out_dir
 
 
-def _target(model_dir: Path) -> Engine:
-    return Engine(
-        model=str(model_dir), device="cpu", kv_cache_memory_gb=0.01, speculative_config=NGRAM
-    )
-
-
 def _draft_config(draft: Path | str) -> SpeculativeConfig:
     return SpeculativeConfig(method="draft_model", model=str(draft), num_speculative_tokens=K)
 
 
-def _target_of(engine: Engine) -> DraftTarget:
-    return DraftTarget(
-        config=engine.config,
-        source=resolve_model(engine.config.model),
-        device=engine.device,
-        dtype=engine.dtype,
-        vocab_size=engine.vocab_size,
-        num_kv_tokens=engine.kv.num_blocks * engine.config.block_size,
-    )
-
-
 def _with_draft_model(target_dir: Path, draft: Path) -> tuple[Engine, DraftModelDrafter]:
-    engine = _target(target_dir)
-    drafter = build_draft_drafter(_draft_config(draft), _target_of(engine))
+    """The target engine as `--speculative-config` builds it, with a fixed draft length (so
+    which steps draft does not depend on the machine's speed)."""
+    config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": K}
+    engine = Engine(
+        model=str(target_dir),
+        device="cpu",
+        kv_cache_memory_gb=0.01,
+        speculative_config=json.dumps({**config, "draft_length": "fixed"}),
+    )
     assert engine.speculator is not None
-    engine.speculator.drafter = drafter
+    drafter = engine.speculator.drafter
+    assert isinstance(drafter, DraftModelDrafter)
     return engine, drafter
 
 

@@ -9,6 +9,13 @@ A decoder step that ends inside a character holds that step's whole text (as in 
 multi-id chunks cut mid-character release one step late. Output that ends inside a
 character (a length cut) ends before it: the text never ends in U+FFFD, while the logprobs'
 `bytes` still carry those bytes.
+
+With stop strings, a multi-id chunk (a speculative step's accepted tokens, deltas merged
+while the consumer was busy, a derender's whole output) gives what its ids give one at a
+time: stepped whole when its text comes out and holds no stop, else rewound and stepped id by
+id, so a stop is found at the id where one id per delta finds it, and
+`DetokenizerUpdate.num_ids_kept` says how many of the chunk's ids the output keeps (the token
+ids, logprobs and usage end where the text does).
 """
 
 from __future__ import annotations
@@ -49,6 +56,14 @@ class DetokenizerUpdate:
     text: str
     stop_str: str | None = None
     finished_by_stop: bool = False
+    num_ids_kept: int | None = None
+    """When a stop string ended it: how many of the ids this `add` was given count (the one
+    whose text completed the stop and those before it; the output drops the rest). None:
+    all of them."""
+
+
+# A _Decoder's context, pending ids and context text (its stream is rebuilt from them).
+_DecoderMark = tuple[list[int], list[int], str]
 
 
 class _Decoder:
@@ -80,6 +95,15 @@ class _Decoder:
         if self.pending:
             stream.step(self.hf, self.pending)  # replays held ids; returns None as it did before
         return stream
+
+    def mark(self) -> _DecoderMark:
+        """The state `rewind` goes back to."""
+        return self.context, list(self.pending), self.context_text
+
+    def rewind(self, mark: _DecoderMark) -> None:
+        """Back to `mark`, as if the steps since had not run."""
+        self.context, self.pending, self.context_text = mark[0], list(mark[1]), mark[2]
+        self.stream = self._new_stream()
 
     def step(self, ids: list[int]) -> str:
         try:
@@ -200,6 +224,8 @@ class IncrementalDetokenizer:
         """Feed newly generated ids; returns the text that is safe to send now."""
         if self.is_finished or not token_ids:
             return DetokenizerUpdate("")
+        if self._stops and len(token_ids) > 1:
+            return self._add_chunk(token_ids)
         new_text = self._decoder.step(list(token_ids))
         if not new_text:
             return DetokenizerUpdate("")
@@ -207,6 +233,32 @@ class IncrementalDetokenizer:
             self._emitted.append(new_text)
             return DetokenizerUpdate(new_text)
         return self._check_stops(new_text, release_all=False)
+
+    def _add_chunk(self, token_ids: Sequence[int]) -> DetokenizerUpdate:
+        """Several ids with stop strings: what they give one at a time. Stepped whole when
+        that is the same (the chunk's text is released and holds no stop), else stepped
+        again id by id from where the chunk began."""
+        mark = self._decoder.mark()
+        new_text = self._decoder.step(list(token_ids))
+        if new_text and self._find_stop(self._held + new_text) is None:
+            return self._check_stops(new_text, release_all=False)
+        self._decoder.rewind(mark)
+        return self._add_each(token_ids)
+
+    def _add_each(self, token_ids: Sequence[int]) -> DetokenizerUpdate:
+        """`add` one id at a time: a stop string then ends the output at the id that
+        completed it, as when each id came alone, not at the end of the chunk (whose last
+        ids could also hold back the text of the first while a character is incomplete)."""
+        released: list[str] = []
+        for number, token_id in enumerate(token_ids, start=1):
+            new_text = self._decoder.step([token_id])
+            if not new_text:
+                continue
+            update = self._check_stops(new_text, release_all=False)
+            released.append(update.text)
+            if update.finished_by_stop:
+                return DetokenizerUpdate("".join(released), update.stop_str, True, number)
+        return DetokenizerUpdate("".join(released))
 
     def flush(self) -> str:
         """End of generation: release held text and the ids still waiting for a character,

@@ -148,14 +148,23 @@ class Choice:
         """Set once submitted."""
         self._replayed_ids: list[int] = []
         """The token ids fed by `replay` (a choice with no stream: a derender)."""
+        self._num_ids_seen = 0
+        """Token ids of the deltas `on_delta` took so far."""
+        self._num_ids_kept: int | None = None
+        """When a stop string ended it: how many token ids count. Ids after the one whose
+        text completed it (in the same delta, or received before the abort took) are not
+        output: one id per delta would have stopped before them."""
         self.logprobs: list[TokenLogprobs] = []
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
 
     @property
     def token_ids(self) -> list[int]:
-        """Every token id generated so far (the stream owns them; `replay` when none)."""
-        return self.stream.output_token_ids if self.stream is not None else self._replayed_ids
+        """Every token id generated so far (the stream owns them; `replay` when none), up to
+        the one that completed a stop string."""
+        ids = self.stream.output_token_ids if self.stream is not None else self._replayed_ids
+        kept = self._num_ids_kept
+        return ids if kept is None or kept == len(ids) else ids[:kept]
 
     def replay(self, delta: RequestDelta) -> ChoiceDelta:
         """`on_delta` for a choice generated elsewhere (a derender: no stream, no worker):
@@ -171,11 +180,17 @@ class Choice:
         return self.detokenizer.output_text
 
     def on_delta(self, delta: RequestDelta) -> ChoiceDelta:
-        """A worker delta as text: stop strings cut, held-back text flushed at the end."""
+        """A worker delta as text: stop strings cut, held-back text flushed at the end.
+
+        A stop string ends the token ids and logprobs too, at the id whose text completed
+        it: a delta of several ids (a speculative step) gives what one id per delta gives."""
         self.prompt.observe(delta)
         detokenizer = self.detokenizer
         finish_reason = delta.finish_reason
-        ids = delta.new_token_ids
+        token_ids = ids = delta.new_token_ids
+        logprobs = delta.logprobs
+        num_ids_before = self._num_ids_seen
+        self._num_ids_seen += len(ids)
         if finish_reason is not None and self._ends_with_stop_token(delta):
             ids = ids[:-1]  # as in vLLM: in token_ids and logprobs, not in the text
         update = detokenizer.add(ids)
@@ -183,17 +198,20 @@ class Choice:
         stop_reason: int | str | None = delta.stop_token_id
         if update.finished_by_stop:
             finish_reason, stop_reason = "stop", update.stop_str
+            kept = len(ids) if update.num_ids_kept is None else update.num_ids_kept
+            self._num_ids_kept = num_ids_before + kept
+            if kept < len(token_ids):  # later ids go, a stop token ending the delta too
+                token_ids = token_ids[:kept]
+                logprobs = logprobs[:kept] if logprobs is not None else None
         elif finish_reason is not None:
             text += detokenizer.flush()
             if detokenizer.stop_str is not None:
                 finish_reason, stop_reason = "stop", detokenizer.stop_str
-        if delta.logprobs:
-            self.logprobs.extend(delta.logprobs)
+        if logprobs:
+            self.logprobs.extend(logprobs)
         if finish_reason is not None:
             self.finish_reason, self.stop_reason = finish_reason, stop_reason
-        return ChoiceDelta(
-            self.index, text, delta.new_token_ids, delta.logprobs, finish_reason, stop_reason
-        )
+        return ChoiceDelta(self.index, text, token_ids, logprobs, finish_reason, stop_reason)
 
     def _ends_with_stop_token(self, delta: RequestDelta) -> bool:
         """Whether the worker ended `delta` on a stop token whose text is left out: it ends

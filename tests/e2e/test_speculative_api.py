@@ -247,11 +247,6 @@ def test_a_stop_string_ends_the_text_where_the_plain_workers_does(
     assert speculative.token_ids[: len(plain.token_ids)] == plain.token_ids
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a verify step's tokens after the one completing a stop string stay in token_ids "
-    "and usage (render_server Choice.on_delta trims the text only), as in vLLM (#47616)",
-)
 @pytest.mark.parametrize("method", METHODS)
 def test_a_stop_string_counts_the_plain_workers_tokens(
     stopped: Callable[[str], tuple[str, Reply]], method: str

@@ -241,7 +241,8 @@ def test_hold_back_is_bounded(smollm2_tokenizer: Tokenizer, backend: str, seed: 
         plain = IncrementalDetokenizer(smollm2_tokenizer)
         for chunk in chunks(ids, rng):
             detok.add(chunk)
-            plain.add(chunk)
+            for token_id in chunk:  # with stops, a chunk's ids are stepped one at a time
+                plain.add([token_id])
             # Stops hold back at most len-1 characters beyond what the decoder itself holds.
             if not detok.is_finished:
                 lag = len(plain.output_text) - len(detok.output_text)

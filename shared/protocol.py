@@ -246,6 +246,14 @@ class WorkerStats(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Tokens drafted for speculative decoding since the worker started (0 when off)."""
     spec_num_accepted_tokens: int = 0
     """Of those, the ones verification accepted."""
+    spec_method: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+    """The --speculative-config method ("ngram", "suffix", "draft_model"); None when off."""
+    spec_num_drafts: int = 0
+    """Verify events since the worker started: a request with at least one draft in a step."""
+    spec_accepted_per_position: Annotated[list[int], msgspec.Meta(max_length=MAX_BATCH)] = []
+    """Index j: drafts accepted at draft position j (the acceptance length distribution: a
+    draft at j is accepted only after those before it, so the counts never grow with j and
+    sum to `spec_num_accepted_tokens`); one entry per position up to K."""
 
 
 class Heartbeat(_Message, tag="heartbeat", kw_only=True):

@@ -583,6 +583,9 @@ class Engine:
             lora_evictions=lora.slots.num_evictions if lora is not None else 0,
             spec_num_draft_tokens=0 if spec is None else spec.num_draft_tokens,
             spec_num_accepted_tokens=0 if spec is None else spec.num_accepted_tokens,
+            spec_method=None if spec is None else spec.method,
+            spec_num_drafts=0 if spec is None else spec.num_drafts,
+            spec_accepted_per_position=[] if spec is None else list(spec.accepted_per_position),
         )
 
     # ---- offline API ---------------------------------------------------------------

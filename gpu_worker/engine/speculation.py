@@ -55,10 +55,17 @@ class Speculator:
         self.target = TargetLogits(
             sampler.vocab_size, sampler.device, sampler.eos_token_ids, sampler.penalties
         )
+        self.method = config.method
+        """The method's name, for the heartbeats' metrics."""
         self.num_draft_tokens = 0
         """Tokens drafted since start."""
         self.num_accepted_tokens = 0
         """Of those, the ones verification accepted."""
+        self.num_drafts = 0
+        """Verify events since start: a request with at least one draft in a step (vLLM's
+        num_drafts), so accepted / drafts + 1 is the mean tokens a verify yields."""
+        self.accepted_per_position = [0] * config.num_speculative_tokens
+        """Index j: drafts accepted at draft position j (vLLM's per-position counts)."""
         self._logprob_rows: _LogprobRows | None = None
         """The last verify's rows for `kept_logprobs`; None once taken."""
 
@@ -122,13 +129,23 @@ class Speculator:
                 0, index, target_probs(target.index_select(0, index), sampled_params)
             )
         result = verify(target, requests)
-        self.num_draft_tokens += sum(len(item.draft_token_ids) for item in items)
-        self.num_accepted_tokens += sum(result.num_accepted)
+        self._count(items, result.num_accepted)
         self._logprob_rows = _logprob_rows(raw, requests, items, result.token_ids)
         return {
             item.seq.request_id: tokens
             for item, tokens in zip(items, result.token_ids, strict=True)
         }
+
+    def _count(self, items: list[ScheduledSequence], num_accepted: list[int]) -> None:
+        """Add a verify step's drafts and acceptances to the counters."""
+        per_position = self.accepted_per_position
+        for item, accepted in zip(items, num_accepted, strict=True):
+            num_drafted = len(item.draft_token_ids)
+            self.num_draft_tokens += num_drafted
+            self.num_drafts += 1 if num_drafted else 0
+            self.num_accepted_tokens += accepted
+            for position in range(accepted):
+                per_position[position] += 1
 
     def kept_logprobs(self, num_new: Mapping[str, int]) -> dict[str, list[TokenLogprobs]]:
         """The logprobs of the tokens the last `verify`'s requests kept (their first

@@ -233,22 +233,45 @@ class _WorkerCollector(Collector):
         yield from self._spec_decode()
 
     def _spec_decode(self) -> Iterator[Metric]:
-        """vLLM's speculative decoding counters, per worker, for workers that drafted."""
+        """vLLM's speculative decoding counters, per worker, for workers that speculate:
+        drafts (verify events), draft tokens, accepted tokens and accepted tokens by draft
+        position (label `position`, vLLM's acceptance length distribution). vLLM has no
+        method label (one engine, one method); duet's `duet_worker_spec_decode_info` names
+        each worker's method, so `* on(worker) group_left(method)` splits any of them by
+        method."""
         labels = ["model_name", "worker"]
+        drafts = CounterMetricFamily(
+            "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", labels=labels
+        )
         drafted = CounterMetricFamily(
             "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", labels=labels
         )
         accepted = CounterMetricFamily(
             "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", labels=labels
         )
+        per_position = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft's position.",
+            labels=[*labels, "position"],
+        )
+        method = GaugeMetricFamily(
+            "duet_worker_spec_decode_info",
+            "The worker's speculative decoding method (1 while it speculates).",
+            labels=["worker", "method"],
+        )
         for status in self._statuses():
             stats = status.stats
-            if stats is None or not stats.spec_num_draft_tokens:
-                continue
+            if stats is None or (stats.spec_method is None and not stats.spec_num_draft_tokens):
+                continue  # does not speculate (a peer older than spec_method: has not drafted)
             key = [self._model_name, status.address]
+            drafts.add_metric(key, stats.spec_num_drafts)
             drafted.add_metric(key, stats.spec_num_draft_tokens)
             accepted.add_metric(key, stats.spec_num_accepted_tokens)
-        yield from (drafted, accepted)
+            for position, count in enumerate(stats.spec_accepted_per_position):
+                per_position.add_metric([*key, str(position)], count)
+            if stats.spec_method is not None:
+                method.add_metric([status.address, stats.spec_method], 1)
+        yield from (drafts, drafted, accepted, per_position, method)
 
 
 class GenerationMetrics:

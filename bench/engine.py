@@ -750,6 +750,14 @@ def main() -> None:
         nargs="+",
         help="instead: 32 concurrent requests over N random adapters against the base model",
     )
+    parser.add_argument(
+        "--speculative",
+        dest="methods",
+        nargs="+",
+        choices=["ngram", "suffix", "draft_model"],
+        help="instead: speculative decoding with these methods against none on copy-heavy "
+        "and mixed chat workloads at --concurrency (bench/speculative.py)",
+    )
     parser.add_argument("--no-write", action="store_true", help="do not update RESULTS.md")
     args = parser.parse_args()
     if args.quick:
@@ -758,6 +766,11 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING)
+    if args.methods:
+        from speculative import run_speculative  # it imports this module
+
+        run_speculative(args)
+        return
 
     source = resolve_model(args.model)
     renderer = ChatRenderer(Tokenizer.from_source(source))

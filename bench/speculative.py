@@ -1,19 +1,25 @@
-"""Speculative decoding on the engine: ngram and suffix drafting against none, same run.
+"""Speculative decoding on the engine: ngram, suffix and draft-model drafting against none.
 
-    python bench/speculative.py [--methods ngram suffix] [--concurrency 1 8] [--repeats 2]
+    python bench/speculative.py [--methods ngram suffix draft_model] [--concurrency 1 8]
+        [--repeats 2]
+    python bench/engine.py --speculative ngram suffix draft_model ...   (the same)
 
 Two workloads, each through closed-loop clients (bench/gpu_engine.py's `closed_loop`) on
-engines that differ only in `--speculative-config`, taking turns:
-- copy-heavy: chat prompts asking to repeat or lightly edit a given text (prose and code),
-  greedy, up to --max-output tokens, ending at EOS: the output copies the prompt;
+engines that differ only in `--speculative-config` (adaptive draft length, the default),
+taking turns:
+- copy-heavy: chat prompts asking to repeat a given text (prose and code), greedy, up to
+  --max-output tokens, ending at EOS: the output copies the prompt;
 - mixed: bench/engine.py's chat workload (100-150-token prompts, outputs 16..--max-output
   with ignore_eos, greedy).
 Reported per workload, method and concurrency: output tok/s and its ratio to no
-speculation, the share of drafted tokens accepted, and output tokens per engine step.
-Greedy outputs are compared with no speculation's: a verify step runs its positions through
-the prefill-style path, whose fp32 sums differ in the last bits from a one-token decode's,
-as a different batch's do, so a near-tie may flip (seen without speculation too, between
-concurrency 1 and 8 on the same prompt); the table counts the identical outputs.
+speculation, the share of drafted tokens accepted, the mean accepted length (1 + accepted
+drafts per verification, vLLM's definition), and output tokens per engine step. The only
+draft model with the built-in's tokenizer is the built-in itself, as costly as the target:
+its row shows what the draft-length controller makes of a draft that cannot pay.
+Greedy outputs are compared with no speculation's: a verify row's attention is a plain
+decode's, but its matmuls run in a batch of other rows, whose fp32 sums may differ in the
+last bits, as a different batch's do without speculation, so a near-tie may flip; the
+table counts the identical outputs.
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ CONFIGS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
               "prompt_lookup_max": 4},
     "suffix": {"method": "suffix", "num_speculative_tokens": 8},
+    # The only model here with the built-in's tokenizer is the built-in itself: a draft as
+    # costly as the target, which the draft-length controller should find not paying.
+    "draft_model": {"method": "draft_model", "model": DEFAULT_MODEL, "num_speculative_tokens": 4},
 }  # fmt: skip
 
 TEXTS = [
@@ -73,6 +82,7 @@ class Case:
     tok_s: float
     drafted: int
     accepted: int
+    verifies: int
     steps: int
     identical: int
     requests: int
@@ -90,14 +100,16 @@ def copy_workload(renderer: ChatRenderer, count: int) -> list[list[int]]:
 
 def run_case(
     engine: Engine, prompts: list[list[int]], lens: list[int], concurrency: int, eos: bool
-) -> tuple[float, list[list[int]], tuple[int, int, int]]:
-    """One closed-loop pass; (seconds, outputs, (drafted, accepted, steps) during it)."""
+) -> tuple[float, list[list[int]], tuple[int, int, int, int]]:
+    """One closed-loop pass; (seconds, outputs, (drafted, accepted, verifies, steps) during
+    it): a verify is one request's drafts checked in one step (vLLM's num_drafts)."""
     before = engine.stats()
     seconds, outputs = closed_loop(engine, prompts, lens, concurrency, ignore_eos=not eos)
     after = engine.stats()
     counts = (
         after.spec_num_draft_tokens - before.spec_num_draft_tokens,
         after.spec_num_accepted_tokens - before.spec_num_accepted_tokens,
+        after.spec_num_drafts - before.spec_num_drafts,
         after.steps - before.steps,
     )
     engine.reset_prefix_cache()
@@ -115,6 +127,13 @@ def main() -> int:
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    run_speculative(args)
+    return 0
+
+
+def run_speculative(args: argparse.Namespace) -> None:
+    """The comparison for `args.methods`, `args.concurrency`, `args.max_output` and
+    `args.repeats`; the table goes to RESULTS.md unless `args.no_write`."""
     renderer = ChatRenderer(Tokenizer.from_source(resolve_model(DEFAULT_MODEL)))
     max_seqs = max(args.concurrency)
     engines = {"none": Engine(device="cpu", max_num_seqs=max_seqs)}
@@ -133,7 +152,7 @@ def main() -> int:
         for name, (prompts, lens, eos) in workloads.items():
             rates: dict[str, list[float]] = {m: [] for m in engines}
             outputs: dict[str, list[list[int]]] = {}
-            counts: dict[str, tuple[int, int, int]] = {}
+            counts: dict[str, tuple[int, int, int, int]] = {}
             for engine in engines.values():  # warm-up: compile, allocate, fill the caches
                 run_case(engine, prompts[:1], [8], 1, eos)
             for _ in range(args.repeats):
@@ -146,19 +165,21 @@ def main() -> int:
                 identical = sum(
                     a == b for a, b in zip(outputs[method], outputs["none"], strict=True)
                 )
-                drafted, accepted, steps = counts[method]
+                drafted, accepted, verifies, steps = counts[method]
                 tokens = sum(map(len, outputs[method]))
                 case = Case(name, method, concurrency, tokens, statistics.median(rates[method]),
-                            drafted, accepted, steps, identical, len(prompts))  # fmt: skip
+                            drafted, accepted, verifies, steps, identical,
+                            len(prompts))  # fmt: skip
                 cases.append(case)
                 print(case, flush=True)
     rows = []
     base = {(c.workload, c.concurrency): c.tok_s for c in cases if c.method == "none"}
     for c in cases:
         share = f"{c.accepted / c.drafted:.0%}" if c.drafted else "-"
+        length = f"{1 + c.accepted / c.verifies:.2f}" if c.verifies else "-"
         rows.append(
             f"| {c.workload} | {c.concurrency} | {c.method} | {c.tokens:,} | {c.tok_s:.1f} "
-            f"| **{c.tok_s / base[(c.workload, c.concurrency)]:.2f}x** | {share} "
+            f"| **{c.tok_s / base[(c.workload, c.concurrency)]:.2f}x** | {share} | {length} "
             f"| {c.tokens / max(c.steps, 1):.2f} | {c.identical}/{c.requests} |"
         )
     body = "\n".join(
@@ -173,15 +194,15 @@ def main() -> int:
             "copy-heavy, >= 0.95x on mixed.",
             "",
             "| workload | concurrency | method | output tokens | tok/s | vs none "
-            "| drafts accepted | tokens per step | greedy outputs as none's |",
-            "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+            "| drafts accepted | mean accepted length | tokens per step "
+            "| greedy outputs as none's |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
             *rows,
         ]
     )
     print(body)
     if not args.no_write:
         write_section("speculative", body)
-    return 0
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ request's draft limit, and tells it what every step cost and what every request 
 - `StepCosts` learns the seconds of a decode step by its number of rows (what the engine
   timed, smoothed). A row count never timed is estimated from its timed neighbours, and
   made a little cheaper than that estimate: the controller then tries it once and learns
-  its true cost, instead of never trying the row counts between two it knows.
+  its true cost, instead of never trying the row counts between two it knows. A timing
+  not renewed for a while is forgotten, so a count judged in a slow moment (the machine
+  busy with something else) is tried again.
 - Each request's acceptance rate a (the chance that a draft passes, given the ones before
   it did) is counted over its own verifications, starting from the rate of all requests
   so far. k drafts are expected to give 1 + a + a^2 + ... + a^k tokens.
@@ -33,6 +35,8 @@ SMOOTHING = 0.25
 """Weight of a new observation in the moving averages (costs and acceptance counts)."""
 UNTRIED_DISCOUNT = 0.85
 """An untimed row count is estimated at this share of its neighbours' interpolation."""
+FORGET_AFTER = 256
+"""A row count's timing is dropped after this many timed steps of other counts."""
 PRIOR_TRIALS = 2.0
 """Weight, in drafts, of the all-requests acceptance rate in a new request's rate."""
 
@@ -44,6 +48,9 @@ class StepCosts:
         self._seconds: dict[int, float] = {}
         self._rows: list[int] = []
         """The timed row counts, sorted."""
+        self._last_timed: dict[int, int] = {}
+        """Each count's latest timing, as a number of timings so far."""
+        self._num_timings = 0
 
     def observe(self, rows: int, seconds: float) -> None:
         """A decode step of `rows` rows took `seconds`."""
@@ -55,6 +62,12 @@ class StepCosts:
             self._seconds[rows] = seconds
         else:
             self._seconds[rows] = previous + SMOOTHING * (seconds - previous)
+        self._num_timings += 1
+        self._last_timed[rows] = self._num_timings
+        stale = [r for r, at in self._last_timed.items() if self._num_timings - at > FORGET_AFTER]
+        for r in stale:
+            del self._seconds[r], self._last_timed[r]
+            self._rows.remove(r)
 
     def estimate(self, rows: int) -> float | None:
         """The expected seconds of a step of `rows` rows; None before any step was timed.

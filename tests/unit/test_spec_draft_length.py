@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from gpu_worker.spec_decode.draft_length import (
+    FORGET_AFTER,
     UNTRIED_DISCOUNT,
     DraftLengthController,
     StepCosts,
@@ -134,3 +135,17 @@ def test_an_untried_row_count_is_tried_once_then_judged_by_its_timing() -> None:
     controller.step_timed(1 + first, 0.060)
     controller.begin_step(1)
     assert controller.limit("a", room=100) != first
+
+
+def test_a_timing_not_renewed_is_forgotten_and_the_count_tried_again() -> None:
+    # One row timed during a stall looks dear; while the controller drafts, that timing is
+    # never renewed, until it is forgotten and one row is estimated from its neighbours.
+    controller = _timed({1: 0.500, 5: 0.016})
+    _accepting(controller, "a", 0.5)
+    controller.begin_step(1)
+    assert controller.limit("a", room=4) == 4
+    for _ in range(FORGET_AFTER + 1):
+        controller.step_timed(5, 0.016)
+    assert controller.costs.estimate(1) == pytest.approx(UNTRIED_DISCOUNT * 0.016 / 5)
+    controller.begin_step(1)
+    assert controller.limit("a", room=4) == 0

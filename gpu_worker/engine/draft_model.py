@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -109,6 +109,9 @@ class DraftModelDrafter:
         self.num_rounds = 0
         """Batched drafting rounds run since start (one per engine step that drafted)."""
         self._requests: dict[str, _DraftState] = {}
+        self._expected: dict[str, int] = {}
+        """The coming step's most drafts per request (`expect`); None planned: K each."""
+        self._planned = False
 
     @property
     def num_requests(self) -> int:
@@ -124,6 +127,12 @@ class DraftModelDrafter:
             return
         state.token_ids.extend(token_ids)
         state.drafts = None
+
+    def expect(self, limits: Mapping[str, int]) -> None:
+        """The next round drafts these requests only, each no further than its limit: a
+        round's cost is then the drafts the step can use."""
+        self._expected = {request_id: k for request_id, k in limits.items() if k > 0}
+        self._planned = True
 
     def propose(self, request_id: str, k: int) -> list[int]:
         """At most k of the draft model's greedy tokens after the request's tokens; the
@@ -152,8 +161,13 @@ class DraftModelDrafter:
                 continue
             if request_id != asking and len(state.token_ids) == state.num_prompt_tokens:
                 continue  # still prefilling in the target: nothing will be asked of it yet
+            limit = self.num_speculative_tokens
+            if self._planned:
+                limit = self._expected.get(request_id, 0)
+                if limit == 0 and request_id != asking:
+                    continue  # the step will not ask it: drafting it would be wasted
             state.drafts, state.pending = [], []
-            if self._add_draft_request(request_id, state):
+            if self._add_draft_request(request_id, state, max(limit, 1)):
                 started.append(state)
         if not started:
             return
@@ -165,12 +179,12 @@ class DraftModelDrafter:
             state.drafts = _within_vocab(state.pending, self.target_vocab_size)
             state.pending = []
 
-    def _add_draft_request(self, request_id: str, state: _DraftState) -> bool:
+    def _add_draft_request(self, request_id: str, state: _DraftState, limit: int) -> bool:
         """Queue the request's greedy continuation in the inner engine; False when the
         draft engine cannot take it (too long for its context, an id past its vocabulary):
         the request is then verified without drafts."""
         room = self.engine.max_model_len - len(state.token_ids)
-        num_tokens = min(self.num_speculative_tokens, room)
+        num_tokens = min(limit, self.num_speculative_tokens, room)
         if num_tokens < 1:
             return False
         request = Generate(

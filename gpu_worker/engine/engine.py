@@ -172,6 +172,8 @@ class Engine:
         )
         """How many drafts pay for their rows, request by request; None without speculation
         or with a fixed draft length."""
+        self._draft_limits: dict[str, int] = {}
+        """The draft-length controller's plan for the step being scheduled."""
         self.kv = KVCacheManager(
             CacheConfig(
                 block_size=config.block_size,
@@ -343,7 +345,7 @@ class Engine:
         """Run one engine step; return a delta for every sequence that got a token."""
         start = time.perf_counter()
         if self.draft_length is not None:
-            self.draft_length.begin_step(len(self.scheduler.running))
+            self._plan_drafts()
         output = self.scheduler.schedule()
         self.sampler.release(output.finished_request_ids)
         if self._tp is not None:
@@ -450,10 +452,17 @@ class Engine:
         assert self.speculator is not None
         if self.draft_length is None:
             return self.speculator.propose(seq, room)
-        limit = self.draft_length.limit(seq.request_id, room)
-        drafts = self.speculator.propose(seq, limit) if limit > 0 else []
-        self.draft_length.drafted(seq.request_id, len(drafts))
-        return drafts
+        limit = min(self._draft_limits.get(seq.request_id, 0), room)
+        return self.speculator.propose(seq, limit) if limit > 0 else []
+
+    def _plan_drafts(self) -> None:
+        """Before scheduling: each decoding request's most drafts this step, from the
+        draft-length controller, told to the drafter too (a draft model drafts no more)."""
+        assert self.speculator is not None and self.draft_length is not None
+        running = self.scheduler.running
+        decoding = [s.request_id for s in running if s.num_computed_tokens == s.num_tokens - 1]
+        self._draft_limits = self.draft_length.plan(decoding, len(running) - len(decoding))
+        self.speculator.expect(self._draft_limits)
 
     def _time_decode_step(self, scheduled: list[ScheduledSequence], start: float) -> None:
         """Tell the draft-length controller what a step of decodes only cost, end to end;

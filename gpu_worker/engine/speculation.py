@@ -72,6 +72,10 @@ class Speculator:
     def start(self, seq: Sequence) -> None:
         self.drafter.start_request(seq.request_id, seq.prompt_token_ids)
 
+    def expect(self, limits: Mapping[str, int]) -> None:
+        """The coming step's most drafts per request (the draft-length controller's plan)."""
+        self.drafter.expect(limits)
+
     def finish(self, request_id: str) -> None:
         self.drafter.finish_request(request_id)
 

@@ -16,9 +16,9 @@ request's draft limit, and tells it what every step cost and what every request 
 - Each request's acceptance rate a (the chance that a draft passes, given the ones before
   it did) is counted over its own verifications, starting from the rate of all requests
   so far. k drafts are expected to give 1 + a + a^2 + ... + a^k tokens.
-- The step's requests are visited in the scheduler's order; each gets the k that
-  maximizes the step's expected tokens per second, counting the rows given out so far and
-  one row for each request still to come.
+- Before the step is scheduled, the decoding requests' drafts are handed out one at a
+  time, each to the request whose next draft is likeliest to be used, and the hand-out
+  with the most expected tokens per second is kept.
 
 A request whose drafts are rarely accepted, or a batch whose rows already fill the
 step's cost, gets k = 0: speculation switches itself off where it does not pay, and
@@ -29,6 +29,8 @@ verification keeps the target's tokens whatever was drafted.
 from __future__ import annotations
 
 import bisect
+import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 SMOOTHING = 0.25
@@ -38,6 +40,10 @@ UNTRIED_DISCOUNT = 0.85
 FORGET_AFTER = 256
 """A row count's timing is dropped after this many timed steps of other counts."""
 PRIOR_TRIALS = 2.0
+PROBE_EVERY = 16
+"""Steps a request waits without drafts before it is given one to test its rate again."""
+PROBE_COST = 1.25
+"""A probe is given only while one more row costs at most this share of the step."""
 """Weight, in drafts, of the all-requests acceptance rate in a new request's rate."""
 
 
@@ -110,10 +116,12 @@ class _Acceptance:
 
     passed: float = 0.0
     tested: float = 0.0
+    idle_steps: int = 0
+    """Steps in a row planned without drafts."""
 
 
 class DraftLengthController:
-    """Each request's draft limit for the step being scheduled (see the module docstring)."""
+    """Each request's draft limit for the step about to be scheduled (module docstring)."""
 
     def __init__(self, num_speculative_tokens: int) -> None:
         self.num_speculative_tokens = num_speculative_tokens
@@ -121,36 +129,64 @@ class DraftLengthController:
         self._requests: dict[str, _Acceptance] = {}
         self._overall = _Acceptance(passed=1.0, tested=2.0)
         """All requests' counts, smoothed: the starting point of a new request's rate."""
-        self._rows = 0
-        self._tokens = 0.0
-        self._to_come = 0
 
-    def begin_step(self, num_requests: int) -> None:
-        """A step is being scheduled over `num_requests` running requests."""
-        self._rows, self._tokens, self._to_come = 0, 0.0, num_requests
+    def plan(self, request_ids: Sequence[str], other_rows: int = 0) -> dict[str, int]:
+        """The draft limit of each decoding request of the coming step, `other_rows` rows
+        besides theirs (prefill chunks). Drafts are handed out one at a time, each to the
+        request whose next draft is likeliest to be used, and the step keeps the hand-out
+        with the most expected tokens per estimated second (costs jump at a tile's edge,
+        so it goes on past a worse one). Before any step was timed, every request gets K.
+        A request left at 0 for `PROBE_EVERY` steps gets one draft when a row costs at most
+        `PROBE_COST` of the step: without it a rate learned in bad moments never recovers."""
+        limits = dict.fromkeys(request_ids, 0)
+        if not limits or self.num_speculative_tokens <= 0:
+            return limits
+        rows = len(limits) + other_rows
+        if self.costs.estimate(rows) is None:
+            return dict.fromkeys(request_ids, self.num_speculative_tokens)
+        rates = {request_id: self.rate(request_id) for request_id in limits}
+        # Max-heap of the next draft's chance of being used: rate^(k + 1).
+        heap = [(-rate, request_id) for request_id, rate in rates.items() if rate > 0]
+        heapq.heapify(heap)
+        tokens = float(rows - other_rows)
+        given: list[str] = []
+        drafts = dict.fromkeys(limits, 0)
+        best_value, best_count = self._value(tokens, rows), 0
+        while heap:
+            chance, request_id = heapq.heappop(heap)
+            tokens -= chance  # chances are stored negated for the max-heap
+            rows += 1
+            given.append(request_id)
+            drafts[request_id] += 1
+            value = self._value(tokens, rows)
+            if value > best_value:
+                best_value, best_count = value, len(given)
+            if drafts[request_id] < self.num_speculative_tokens:
+                heapq.heappush(heap, (chance * rates[request_id], request_id))
+        for request_id in given[:best_count]:
+            limits[request_id] += 1
+        self._probe(limits, len(limits) + other_rows + best_count)
+        return limits
 
-    def limit(self, request_id: str, room: int) -> int:
-        """The most drafts `request_id` may have this step (at most `room`); call `drafted`
-        with what it got. Before any step was timed, the configured K."""
-        self._to_come = max(self._to_come - 1, 0)
-        most = min(self.num_speculative_tokens, room)
-        if most <= 0 or self.costs.estimate(1) is None:
-            return max(most, 0)
-        rate = self.rate(request_id)
-        best_k, best = 0, -1.0
-        for k in range(most + 1):
-            seconds = self.costs.estimate(self._rows + 1 + k + self._to_come)
-            if seconds is None or seconds <= 0:
-                return most
-            value = (self._tokens + expected_tokens(rate, k) + self._to_come) / seconds
-            if value > best:
-                best_k, best = k, value
-        return best_k
+    def _value(self, tokens: float, rows: int) -> float:
+        seconds = self.costs.estimate(rows)
+        return tokens / seconds if seconds is not None and seconds > 0 else 0.0
 
-    def drafted(self, request_id: str, num_drafts: int) -> None:
-        """`request_id` was scheduled this step with `num_drafts` drafts."""
-        self._rows += 1 + num_drafts
-        self._tokens += expected_tokens(self.rate(request_id), num_drafts)
+    def _probe(self, limits: dict[str, int], rows: int) -> None:
+        """Give a draft to each request idle for `PROBE_EVERY` steps, while a row is cheap."""
+        for request_id, limit in limits.items():
+            counts = self._requests.setdefault(request_id, _Acceptance())
+            if limit > 0:
+                counts.idle_steps = 0
+                continue
+            counts.idle_steps += 1
+            if counts.idle_steps < PROBE_EVERY:
+                continue
+            now, then = self.costs.estimate(rows), self.costs.estimate(rows + 1)
+            if now is not None and then is not None and then <= PROBE_COST * now:
+                limits[request_id] = 1
+                counts.idle_steps = 0
+                rows += 1
 
     def rate(self, request_id: str) -> float:
         """The chance that one of the request's drafts passes, given the ones before did."""

@@ -7,7 +7,7 @@ which builds it and hands it to its `Speculator`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from gpu_worker.spec_decode.config import SpeculativeConfig
@@ -21,8 +21,10 @@ class Drafter(Protocol):
     The engine calls `start_request` when a request is admitted, `add_tokens` with the
     tokens it accepts each step (in order, output only), `propose` for each decoding
     request the scheduler drafts for (while it schedules the step), and `finish_request`
-    when it finishes or is aborted. A drafter may batch its work across requests: the
-    draft model drafts for every request with new tokens at the step's first `propose`."""
+    when it finishes or is aborted. Before the step is scheduled, `expect` tells it how
+    many drafts each request may be asked for (0 or absent: none), so a drafter that
+    batches its work across requests (the draft model, at the step's first `propose`)
+    drafts those and no more."""
 
     def start_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None: ...
 
@@ -34,6 +36,10 @@ class Drafter(Protocol):
         ...
 
     def finish_request(self, request_id: str) -> None: ...
+
+    def expect(self, limits: Mapping[str, int]) -> None:
+        """The coming step's most drafts per request; a model-free drafter ignores it."""
+        ...
 
 
 def make_drafter(config: SpeculativeConfig) -> Drafter:

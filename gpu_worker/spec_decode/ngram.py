@@ -10,7 +10,7 @@ for the new tokens only, not for converting the whole list again.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -101,6 +101,9 @@ class NgramProposer:
         KeyError for a request that was not started."""
         tokens = self._requests[request_id].view()
         return ngram_draft(tokens, min(k, self.max_tokens), self.min_n, self.max_n)
+
+    def expect(self, limits: Mapping[str, int]) -> None:
+        """Drafting costs nothing worth planning for: proposals are made when asked."""
 
     def finish_request(self, request_id: str) -> None:
         """Forget the request; unknown ids pass (an abort before the start)."""

@@ -15,7 +15,7 @@ The global cache is bounded twice: by requests (`max_cached_requests`) and by me
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gpu_worker.spec_decode.config import SpeculativeConfig
@@ -121,6 +121,9 @@ class SuffixProposer:
         """Nodes of the request's own trie: its memory, about len * depth when its tokens
         rarely repeat."""
         return self._requests[request_id].trie.num_nodes
+
+    def expect(self, limits: Mapping[str, int]) -> None:
+        """Drafting costs nothing worth planning for: proposals are made when asked."""
 
     def finish_request(self, request_id: str) -> None:
         """Forget the request and cache its output in the global trie. Unknown ids pass,

@@ -11,14 +11,17 @@ import pytest
 
 from gpu_worker.spec_decode.draft_length import (
     FORGET_AFTER,
+    PROBE_COST,
+    PROBE_EVERY,
     UNTRIED_DISCOUNT,
     DraftLengthController,
     StepCosts,
     expected_tokens,
 )
 
-# Seconds of a decode step by rows: 10 ms for one row, +1.4 ms a row to 8, a jump at 9.
-CPU_LIKE = {rows: 0.010 + 0.0014 * (rows - 1) for rows in range(1, 9)} | {9: 0.030, 16: 0.031}
+# Seconds of a decode step by rows, every count timed: 10 ms for one row, +1.4 ms a row to
+# 8, then 10 ms more at each tile's edge (9, 17, ...).
+CPU_LIKE = {rows: 0.010 * -(-rows // 8) + 0.0014 * min(rows - 1, 7) for rows in range(1, 65)}
 
 
 def _timed(costs: dict[int, float], num_speculative_tokens: int = 8) -> DraftLengthController:
@@ -64,49 +67,56 @@ def test_one_timed_row_count_extrapolates_at_half_its_cost_per_row() -> None:
     assert costs.estimate(2) == pytest.approx(UNTRIED_DISCOUNT * 0.008)
 
 
-def test_before_any_timing_a_request_gets_the_configured_k() -> None:
+def test_before_any_timing_every_request_gets_the_configured_k() -> None:
     controller = DraftLengthController(5)
-    controller.begin_step(1)
-    assert controller.limit("a", room=100) == 5
-    assert controller.limit("b", room=3) == 3
+    assert controller.plan(["a", "b"]) == {"a": 5, "b": 5}
+    assert controller.plan([]) == {}
 
 
 def test_a_well_accepted_single_stream_stops_at_the_tiles_edge() -> None:
     controller = _timed(CPU_LIKE)
     _accepting(controller, "a", 0.9)
-    controller.begin_step(1)
     # 8 rows (7 drafts) give ~5.7 tokens for 20 ms; the 9th row costs 10 ms for 0.5 more.
-    assert controller.limit("a", room=100) == 7
+    assert controller.plan(["a"]) == {"a": 7}
 
 
 def test_rarely_accepted_drafts_switch_speculation_off() -> None:
     controller = _timed(CPU_LIKE)
     _accepting(controller, "a", 0.1)
-    controller.begin_step(1)
-    assert controller.limit("a", room=100) == 0
+    assert controller.plan(["a"]) == {"a": 0}
 
 
 def test_a_full_tile_of_requests_gets_no_drafts_that_would_start_the_next() -> None:
     controller = _timed(CPU_LIKE)
-    for i in range(8):
-        _accepting(controller, f"r{i}", 0.5)
-    controller.begin_step(8)
-    limits = []
-    for i in range(8):
-        limits.append(controller.limit(f"r{i}", room=100))
-        controller.drafted(f"r{i}", limits[-1])
-    assert limits == [0] * 8
+    requests = [f"r{i}" for i in range(8)]
+    for request_id in requests:
+        _accepting(controller, request_id, 0.5)
+    assert controller.plan(requests) == dict.fromkeys(requests, 0)
 
 
-def test_room_and_k_bound_the_limit() -> None:
+def test_drafts_go_to_the_requests_likeliest_to_use_them() -> None:
+    controller = _timed(CPU_LIKE)
+    _accepting(controller, "good", 0.9)
+    _accepting(controller, "poor", 0.3)
+    plan = controller.plan(["poor", "good"])
+    assert plan["good"] > plan["poor"]
+
+
+def test_k_bounds_the_plan() -> None:
     controller = _timed(CPU_LIKE, num_speculative_tokens=3)
     _accepting(controller, "a", 1.0)
-    controller.begin_step(1)
-    assert controller.limit("a", room=100) == 3
-    controller.begin_step(1)
-    assert controller.limit("a", room=2) == 2
-    controller.begin_step(1)
-    assert controller.limit("a", room=0) == 0
+    assert controller.plan(["a"]) == {"a": 3}
+
+
+def test_a_request_left_without_drafts_is_probed_while_a_row_is_cheap() -> None:
+    controller = _timed(CPU_LIKE)
+    _accepting(controller, "a", 0.1)
+    plans = [controller.plan(["a"])["a"] for _ in range(PROBE_EVERY)]
+    assert plans == [0] * (PROBE_EVERY - 1) + [1]
+    # Where one more row would cost more than PROBE_COST of the step, no probe.
+    dear = _timed({1: 0.010, 2: 0.010 * PROBE_COST * 1.1, 3: 0.040})
+    _accepting(dear, "a", 0.1)
+    assert all(dear.plan(["a"])["a"] == 0 for _ in range(2 * PROBE_EVERY))
 
 
 def test_a_new_request_starts_from_the_rate_of_all_requests_and_finish_forgets_it() -> None:
@@ -126,15 +136,12 @@ def test_a_new_request_starts_from_the_rate_of_all_requests_and_finish_forgets_i
 def test_an_untried_row_count_is_tried_once_then_judged_by_its_timing() -> None:
     controller = _timed({1: 0.010, 9: 0.030})
     _accepting(controller, "a", 0.9)
-    controller.begin_step(1)
     # 8 rows, interpolated and discounted, look better than the 9 timed ones.
-    first = controller.limit("a", room=100)
-    assert first < 8
-    controller.drafted("a", first)
+    first = controller.plan(["a"])["a"]
+    assert 0 < first < 8
     # Timed far worse than hoped, it gives way to another count.
     controller.step_timed(1 + first, 0.060)
-    controller.begin_step(1)
-    assert controller.limit("a", room=100) != first
+    assert controller.plan(["a"])["a"] != first
 
 
 def test_a_timing_not_renewed_is_forgotten_and_the_count_tried_again() -> None:
@@ -142,10 +149,8 @@ def test_a_timing_not_renewed_is_forgotten_and_the_count_tried_again() -> None:
     # never renewed, until it is forgotten and one row is estimated from its neighbours.
     controller = _timed({1: 0.500, 5: 0.016})
     _accepting(controller, "a", 0.5)
-    controller.begin_step(1)
-    assert controller.limit("a", room=4) == 4
+    assert controller.plan(["a"], other_rows=0)["a"] == 4
     for _ in range(FORGET_AFTER + 1):
         controller.step_timed(5, 0.016)
     assert controller.costs.estimate(1) == pytest.approx(UNTRIED_DISCOUNT * 0.016 / 5)
-    controller.begin_step(1)
-    assert controller.limit("a", room=4) == 0
+    assert controller.plan(["a"])["a"] == 0

@@ -180,6 +180,37 @@ def _unloaded_target(model_dir: Path) -> DraftTarget:
     )
 
 
+def test_a_planned_round_drafts_only_what_the_step_may_ask(target_dir: Path) -> None:
+    # With the adaptive draft length the engine tells the drafter each request's limit
+    # before the step: the round drafts those requests, no further than their limits.
+    config = {"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": K}
+    engine = Engine(
+        model=str(target_dir),
+        device="cpu",
+        kv_cache_memory_gb=0.01,
+        speculative_config=json.dumps(config),
+    )
+    assert engine.speculator is not None
+    drafter = engine.speculator.drafter
+    assert isinstance(drafter, DraftModelDrafter)
+    for request_id, prompt in (("x", PROMPTS[0]), ("y", PROMPTS[1])):
+        drafter.start_request(request_id, prompt)
+        drafter.add_tokens(request_id, [5])
+    drafter.expect({"x": 2, "y": 0})
+    assert len(drafter.propose("x", K)) == 2
+    assert drafter.num_rounds == 1
+    # "y" was left out of that round: asked anyway, it is drafted in one of its own.
+    assert len(drafter.propose("y", 1)) == 1
+    assert drafter.num_rounds == 2
+    for request_id in ("x", "y"):
+        drafter.finish_request(request_id)
+    assert _all_freed(drafter)
+    # Greedy output stays the plain one whatever the controller plans.
+    assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == _tokens(
+        Engine(model=str(target_dir), device="cpu", kv_cache_memory_gb=0.01), GREEDY
+    )
+
+
 def test_a_draft_model_with_another_tokenizer_is_refused(tmp_path: Path, target_dir: Path) -> None:
     draft_dir, _ = save_tiny_model(tmp_path, "llama", tie_word_embeddings=False)
     save_byte_tokenizer(draft_dir)

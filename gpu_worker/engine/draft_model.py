@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -32,6 +33,7 @@ from gpu_worker.engine.errors import RequestRejected
 from gpu_worker.loader import load_config
 from gpu_worker.runner.kv_caches import model_kv_bytes_per_block
 from gpu_worker.spec_decode.config import SpeculativeConfig
+from gpu_worker.spec_decode.draft_length import DraftStep
 from shared.model_source import ModelSource, resolve_model
 from shared.protocol import Generate
 from shared.sampling import SamplingParams
@@ -70,6 +72,9 @@ class _DraftState:
     """The proposal for the current `token_ids`; None until a round drafts it."""
     pending: list[int] = field(default_factory=list)
     """Tokens the inner engine drafted in the round under way."""
+    num_cached: int = 0
+    """Of `token_ids`, the ones the inner engine's prefix cache holds: the full blocks of
+    the latest round's tokens."""
 
 
 class DraftModelDrafter:
@@ -112,6 +117,8 @@ class DraftModelDrafter:
         self._expected: dict[str, int] = {}
         """The coming step's most drafts per request (`expect`); None planned: K each."""
         self._planned = False
+        self._steps: list[DraftStep] = []
+        """The inner engine's steps since `take_steps`."""
 
     @property
     def num_requests(self) -> int:
@@ -133,6 +140,22 @@ class DraftModelDrafter:
         round's cost is then the drafts the step can use."""
         self._expected = {request_id: k for request_id, k in limits.items() if k > 0}
         self._planned = True
+
+    def catch_up_tokens(self, request_id: str) -> int:
+        """Tokens a round computes for the request before its first draft: those past the
+        full blocks its latest round left in the prefix cache, at most what a round of a
+        request drafted every step computes (a block and K more). More is paid once (the
+        prompt's prefill at its first round, or after steps without drafts), not every
+        step: counted whole, it would keep a request from ever starting to draft."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return 0
+        steady = self.engine.config.block_size + self.num_speculative_tokens + 1
+        return min(len(state.token_ids) - state.num_cached, steady)
+
+    def take_steps(self) -> list[DraftStep]:
+        steps, self._steps = self._steps, []
+        return steps
 
     def propose(self, request_id: str, k: int) -> list[int]:
         """At most k of the draft model's greedy tokens after the request's tokens; the
@@ -173,9 +196,14 @@ class DraftModelDrafter:
             return
         self.num_rounds += 1
         while self.engine.has_unfinished_requests():
-            for delta in self.engine.step():
+            start = time.perf_counter()
+            deltas = self.engine.step()
+            self._steps.append(DraftStep(self.engine.last_step_tokens, time.perf_counter() - start))
+            for delta in deltas:
                 self._requests[delta.request_id].pending.extend(delta.new_token_ids)
+        block_size = self.engine.config.block_size
         for state in started:
+            state.num_cached = len(state.token_ids) // block_size * block_size
             state.drafts = _within_vocab(state.pending, self.target_vocab_size)
             state.pending = []
 

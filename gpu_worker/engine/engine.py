@@ -198,6 +198,8 @@ class Engine:
         self.structured.start_loading()
         self.model_card = self._model_card(source)
         self._num_steps = 0
+        self.last_step_tokens = 0
+        """Tokens the latest step computed (what a draft model's steps are timed by)."""
         self._offline_ids = itertools.count()
 
     def _build_lora(self, rank: RankModel) -> tuple[LoRARegistry, LoRAState] | None:
@@ -347,6 +349,7 @@ class Engine:
         if self.draft_length is not None:
             self._plan_drafts()
         output = self.scheduler.schedule()
+        self.last_step_tokens = output.num_batched_tokens
         self.sampler.release(output.finished_request_ids)
         if self._tp is not None:
             # The followers release with the next step they run, whichever step that is.
@@ -461,19 +464,25 @@ class Engine:
         assert self.speculator is not None and self.draft_length is not None
         running = self.scheduler.running
         decoding = [s.request_id for s in running if s.num_computed_tokens == s.num_tokens - 1]
-        self._draft_limits = self.draft_length.plan(decoding, len(running) - len(decoding))
+        self._draft_limits = self.draft_length.plan(
+            decoding, len(running) - len(decoding), self.speculator.drafter.catch_up_tokens
+        )
         self.speculator.expect(self._draft_limits)
 
     def _time_decode_step(self, scheduled: list[ScheduledSequence], start: float) -> None:
-        """Tell the draft-length controller what a step of decodes only cost, end to end;
-        a step with prefill rows says nothing about a decode row's cost."""
-        assert self.draft_length is not None
+        """Tell the draft-length controller what a step of decodes only cost, end to end,
+        and what the drafter's model ran in it; a step with prefill rows says nothing
+        about a decode row's cost."""
+        assert self.draft_length is not None and self.speculator is not None
+        drafting = self.speculator.drafter.take_steps()
         if scheduled and all(
             item.will_sample and item.num_new_tokens == 1 + len(item.draft_token_ids)
             for item in scheduled
         ):
             rows = sum(item.num_new_tokens for item in scheduled)
-            self.draft_length.step_timed(rows, time.perf_counter() - start)
+            self.draft_length.step_timed(rows, time.perf_counter() - start, drafting)
+        else:
+            self.draft_length.drafted(drafting)
 
     def _finish_speculation(self, request_id: str) -> None:
         assert self.speculator is not None

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from gpu_worker.spec_decode.config import SpeculativeConfig
+from gpu_worker.spec_decode.draft_length import DraftStep
 from gpu_worker.spec_decode.ngram import NgramProposer
 from gpu_worker.spec_decode.suffix import SuffixProposer
 
@@ -18,13 +19,14 @@ from gpu_worker.spec_decode.suffix import SuffixProposer
 class Drafter(Protocol):
     """Per-request drafting state, fed the tokens each request accepts.
 
-    The engine calls `start_request` when a request is admitted, `add_tokens` with the
-    tokens it accepts each step (in order, output only), `propose` for each decoding
-    request the scheduler drafts for (while it schedules the step), and `finish_request`
-    when it finishes or is aborted. Before the step is scheduled, `expect` tells it how
-    many drafts each request may be asked for (0 or absent: none), so a drafter that
-    batches its work across requests (the draft model, at the step's first `propose`)
-    drafts those and no more."""
+        The engine calls `start_request` when a request is admitted, `add_tokens` with the
+        tokens it accepts each step (in order, output only), `propose` for each decoding
+        request the scheduler drafts for (while it schedules the step), and `finish_request`
+        when it finishes or is aborted. Before the step is scheduled, `expect` tells it how
+        many drafts each request may be asked for (0 or absent: none), so a drafter that
+        batches its work across requests (the draft model, at the step's first `propose`)
+        drafts those and no more. A drafter that runs a model says what a round will compute
+    (`catch_up_tokens`) and what its steps took (`take_steps`)."""
 
     def start_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None: ...
 
@@ -39,6 +41,16 @@ class Drafter(Protocol):
 
     def expect(self, limits: Mapping[str, int]) -> None:
         """The coming step's most drafts per request; a model-free drafter ignores it."""
+        ...
+
+    def catch_up_tokens(self, request_id: str) -> int:
+        """Tokens the drafter's model must compute for the request before its first draft
+        (kept since its cache last held them); 0 without a model."""
+        ...
+
+    def take_steps(self) -> list[DraftStep]:
+        """The drafter's model steps since the last call, for the draft-length controller
+        to weigh what drafting costs; none without a model."""
         ...
 
 

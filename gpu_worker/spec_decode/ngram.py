@@ -10,12 +10,13 @@ for the new tokens only, not for converting the whole list again.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
 
 from gpu_worker.spec_decode.config import SpeculativeConfig
+from gpu_worker.spec_decode.model_free import ModelFreeDrafting
 
 
 def ngram_draft(
@@ -75,7 +76,7 @@ class _TokenBuffer:
         return self.array[: self.length]
 
 
-class NgramProposer:
+class NgramProposer(ModelFreeDrafting):
     """Prompt-lookup drafter for all of an engine's requests; the same lifecycle as
     `SuffixProposer`: `start_request`, `add_tokens` with every accepted token, `propose`,
     `finish_request`."""
@@ -101,9 +102,6 @@ class NgramProposer:
         KeyError for a request that was not started."""
         tokens = self._requests[request_id].view()
         return ngram_draft(tokens, min(k, self.max_tokens), self.min_n, self.max_n)
-
-    def expect(self, limits: Mapping[str, int]) -> None:
-        """Drafting costs nothing worth planning for: proposals are made when asked."""
 
     def finish_request(self, request_id: str) -> None:
         """Forget the request; unknown ids pass (an abort before the start)."""

@@ -15,10 +15,11 @@ The global cache is bounded twice: by requests (`max_cached_requests`) and by me
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gpu_worker.spec_decode.config import SpeculativeConfig
+from gpu_worker.spec_decode.model_free import ModelFreeDrafting
 from gpu_worker.spec_decode.suffix_trie import SuffixTrie, TrieNode, draft_from
 
 
@@ -61,7 +62,7 @@ class _RequestState:
     output_token_ids: list[int] = field(default_factory=list)
 
 
-class SuffixProposer:
+class SuffixProposer(ModelFreeDrafting):
     """Suffix decoding drafter for all of an engine's requests; single-threaded.
 
     Lifecycle per request: `start_request` once, then `add_tokens` with every token the
@@ -121,9 +122,6 @@ class SuffixProposer:
         """Nodes of the request's own trie: its memory, about len * depth when its tokens
         rarely repeat."""
         return self._requests[request_id].trie.num_nodes
-
-    def expect(self, limits: Mapping[str, int]) -> None:
-        """Drafting costs nothing worth planning for: proposals are made when asked."""
 
     def finish_request(self, request_id: str) -> None:
         """Forget the request and cache its output in the global trie. Unknown ids pass,

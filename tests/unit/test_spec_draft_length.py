@@ -15,6 +15,7 @@ from gpu_worker.spec_decode.draft_length import (
     PROBE_EVERY,
     UNTRIED_DISCOUNT,
     DraftLengthController,
+    DraftStep,
     StepCosts,
     expected_tokens,
 )
@@ -154,3 +155,50 @@ def test_a_timing_not_renewed_is_forgotten_and_the_count_tried_again() -> None:
         controller.step_timed(5, 0.016)
     assert controller.costs.estimate(1) == pytest.approx(UNTRIED_DISCOUNT * 0.016 / 5)
     assert controller.plan(["a"])["a"] == 0
+
+
+def _drafting(controller: DraftLengthController, costs: dict[int, float]) -> None:
+    """The drafter's model steps timed by tokens, as a decode step of 1 row reports them."""
+    controller.step_timed(
+        1,
+        CPU_LIKE[1] + sum(costs.values()),
+        [DraftStep(num_tokens, seconds) for num_tokens, seconds in costs.items()],
+    )
+
+
+def test_a_draft_model_as_dear_as_the_target_switches_itself_off() -> None:
+    # A draft step costs what a target decode step does (a model drafting for itself):
+    # each draft costs a step, so no number of drafts pays for itself.
+    controller = _timed(CPU_LIKE)
+    _drafting(controller, CPU_LIKE)
+    _accepting(controller, "a", 1.0)
+    assert controller.plan(["a"], catch_up=lambda request_id: 2) == {"a": 0}
+    requests = [f"r{i}" for i in range(8)]
+    for request_id in requests:
+        _accepting(controller, request_id, 1.0)
+    assert controller.plan(requests, catch_up=lambda request_id: 2) == dict.fromkeys(requests, 0)
+    # No probe either: its drafting step alone costs a step.
+    for _ in range(2 * PROBE_EVERY):
+        assert controller.plan(["a"], catch_up=lambda request_id: 2) == {"a": 0}
+
+
+def test_a_cheap_draft_model_drafts_and_its_catch_up_is_weighed() -> None:
+    # A draft step of up to 8 tokens costs a tenth of a target row's step: drafting pays,
+    # unless each round must first compute many tokens (64 here, a dear step).
+    cheap = {tokens: CPU_LIKE[tokens] / 10 for tokens in range(1, 9)}
+    controller = _timed(CPU_LIKE)
+    _drafting(controller, {**cheap, 64: 0.100})
+    _accepting(controller, "a", 0.9)
+    assert controller.plan(["a"], catch_up=lambda request_id: 2)["a"] > 0
+    assert controller.plan(["a"], catch_up=lambda request_id: 64) == {"a": 0}
+
+
+def test_a_step_s_drafting_time_is_not_counted_as_its_rows_cost() -> None:
+    controller = DraftLengthController(4)
+    controller.step_timed(3, 0.050, [DraftStep(5, 0.020), DraftStep(1, 0.010)])
+    assert controller.costs.estimate(3) == pytest.approx(0.020)
+    assert controller.draft_costs.estimate(5) == pytest.approx(0.020)
+    # A step with prefill rows teaches the drafting costs only.
+    controller.drafted([DraftStep(2, 0.012)])
+    assert controller.draft_costs.estimate(2) == pytest.approx(0.012)
+    assert controller.costs.estimate(2) != pytest.approx(0.012)

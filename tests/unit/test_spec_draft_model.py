@@ -197,8 +197,16 @@ def test_a_planned_round_drafts_only_what_the_step_may_ask(target_dir: Path) -> 
         drafter.start_request(request_id, prompt)
         drafter.add_tokens(request_id, [5])
     drafter.expect({"x": 2, "y": 0})
+    block_size = engine.config.block_size
+    # Before its first round the whole prompt is to compute; the plan counts a steady
+    # round's share of it (a block and K more).
+    assert drafter.catch_up_tokens("x") == block_size + K + 1
     assert len(drafter.propose("x", K)) == 2
     assert drafter.num_rounds == 1
+    # The round's steps, timed by what they computed: the 42 tokens, then the 2nd draft.
+    assert [step.num_tokens for step in drafter.take_steps()] == [42, 1]
+    assert drafter.take_steps() == []
+    assert drafter.catch_up_tokens("x") == 42 - 42 // block_size * block_size
     # "y" was left out of that round: asked anyway, it is drafted in one of its own.
     assert len(drafter.propose("y", 1)) == 1
     assert drafter.num_rounds == 2

@@ -1,6 +1,7 @@
 """Speculative decoding over real processes (issue 21): one gpu-worker per drafting method
-(`--speculative-config`) and one without, each behind its own render-serve so that a
-request reaches the worker it names, driven with the `openai` client.
+(`--speculative-config`: ngram, suffix, draft_model) and one without, each behind its own
+render-serve so that a request reaches the worker it names, driven with the `openai`
+client.
 
 Greedy requests through a speculative worker must give the plain worker's tokens, text and
 counts exactly: the prompts ask the model to copy a given text, so drafts are accepted (a
@@ -40,10 +41,16 @@ MODEL = "SmolLM2-135M-Instruct"
 STARTUP_S = 180.0
 MAX_TOKENS = 40
 
-# One worker per entry. A draft model is one more entry, e.g. the built-in model drafting
-# for itself: "draft_model": {"method": "draft_model", "model": <its path>,
-# "num_speculative_tokens": 4}.
+# One worker per entry. The draft model is the built-in model drafting for itself, at a
+# fixed draft length: on this CPU a draft costs what a target step does, so the adaptive
+# length would switch it off and leave its drafts untested.
 SPECULATIVE_CONFIGS: dict[str, dict[str, object]] = {
+    "draft_model": {
+        "method": "draft_model",
+        "model": MODEL,
+        "num_speculative_tokens": 4,
+        "draft_length": "fixed",
+    },
     "ngram": {
         "method": "ngram",
         "num_speculative_tokens": 4,
@@ -285,7 +292,7 @@ def test_structured_output_follows_its_schema(cluster: dict[str, Served], method
 
 def _spec_counts(served: Served) -> tuple[float, float]:
     """(drafted, accepted) on the served render server's /metrics for its worker; zeros
-    while the worker has drafted nothing (it has no sample then)."""
+    when it has no such sample (a worker without speculation has none)."""
     counts = {"draft": 0.0, "accepted": 0.0}
     worker = f'worker="{served.worker.address}"'
     for line in httpx.get(f"{served.render.base_url}/metrics").text.splitlines():

@@ -1,7 +1,8 @@
-"""Speculative decoding through the engine, on a tiny random Llama (fast): greedy output
-token for token as without speculation (with non-speculating requests in the batch, the
-prefix cache, preemption, max_tokens and stop tokens), seeded sampling reproducible, the
-start-time checks of --speculative-config and the verify target of sampled rows."""
+"""Speculative decoding through the engine, on a tiny random Llama (fast), for each method
+(the draft model is the target itself): greedy output token for token as without
+speculation (with non-speculating requests in the batch, the prefix cache, preemption,
+chunked prefill, max_tokens and stop tokens), seeded sampling reproducible, the start-time
+checks of --speculative-config and the verify target of sampled rows."""
 
 from __future__ import annotations
 
@@ -25,7 +26,20 @@ NGRAM = (
     '"prompt_lookup_max": 4, "draft_length": "fixed"}'
 )
 SUFFIX = '{"method": "suffix", "num_speculative_tokens": 4, "draft_length": "fixed"}'
-METHODS = {"ngram": NGRAM, "suffix": SUFFIX}
+# The target drafting for itself: greedy drafts of the target's own, rejected where a
+# request's sampling or penalties differ from greedy.
+DRAFT_MODEL = (
+    '{"method": "draft_model", "model": "TARGET", "num_speculative_tokens": 4, '
+    '"draft_length": "fixed"}'
+)
+METHODS = {"ngram": NGRAM, "suffix": SUFFIX, "draft_model": DRAFT_MODEL}
+"""Each method's --speculative-config, its draft model's path spelled TARGET."""
+
+
+def for_target(speculative: str, model_dir: Path) -> str:
+    """`speculative` with TARGET (a draft model's path) made the target's own."""
+    return speculative.replace('"TARGET"', f'"{model_dir}"')
+
 
 # Chat-like prompts that repeat themselves, so drafts from the prompt and output get accepted.
 PROMPTS = [
@@ -49,7 +63,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _engine(model_dir: Path, speculative: str | None, **kwargs: Any) -> Engine:
     args: dict[str, Any] = {"kv_cache_memory_gb": 0.01, **kwargs}
-    return Engine(model=str(model_dir), device="cpu", speculative_config=speculative, **args)
+    if speculative is not None:
+        args["speculative_config"] = for_target(speculative, model_dir)
+    return Engine(model=str(model_dir), device="cpu", **args)
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +100,9 @@ def test_greedy_equals_plain_decoding_batched_with_penalized_requests(
     assert _all_blocks_back(spec)
 
 
-def test_prefix_cache_hits_on_a_second_run(plain: Engine, model_dir: Path) -> None:
-    engine = _engine(model_dir, NGRAM)
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_prefix_cache_hits_on_a_second_run(plain: Engine, model_dir: Path, method: str) -> None:
+    engine = _engine(model_dir, METHODS[method])
     want = _tokens(plain, PROMPTS, [GREEDY] * 4)
     assert _tokens(engine, PROMPTS, [GREEDY] * 4) == want
     hits = engine.stats().prefix_cache_hits
@@ -94,9 +111,12 @@ def test_prefix_cache_hits_on_a_second_run(plain: Engine, model_dir: Path) -> No
     assert _all_blocks_back(engine)
 
 
-def test_greedy_equals_plain_decoding_under_preemption(plain: Engine, model_dir: Path) -> None:
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_greedy_equals_plain_decoding_under_preemption(
+    plain: Engine, model_dir: Path, method: str
+) -> None:
     # 13 blocks of 16 tokens (512 bytes a token) for four sequences of 72-81 tokens.
-    engine = _engine(model_dir, SUFFIX, kv_cache_memory_gb=100_000 / 2**30)
+    engine = _engine(model_dir, METHODS[method], kv_cache_memory_gb=100_000 / 2**30)
     assert engine.kv.num_blocks < 16
     keys = [f"r{i}" for i in range(len(PROMPTS))]
     for key, prompt in zip(keys, PROMPTS, strict=True):
@@ -215,6 +235,21 @@ def test_target_probs_apply_temperature_top_k_with_ties_top_p_and_min_p() -> Non
     assert torch.equal(
         logits, torch.tensor([[2.0, 1.0, 1.0, 0.0, -1.0], [3.0, 2.0, 1.0, 0.0, -9.0]])
     )
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_greedy_equals_plain_decoding_with_chunked_prefill(
+    plain: Engine, model_dir: Path, method: str
+) -> None:
+    # 24 tokens a step: the 40-token prompts are prefilled in chunks, beside the decoding
+    # (and drafting) requests, whose 1 + k rows count against the same budget.
+    engine = _engine(model_dir, METHODS[method], max_num_batched_tokens=24)
+    prompts = PROMPTS + PROMPTS[:2]
+    params = [GREEDY] * len(PROMPTS) + [PENALIZED] * 2
+    before = engine.stats()
+    assert _tokens(engine, prompts, params) == _tokens(plain, prompts, params)
+    assert engine.stats().spec_num_accepted_tokens > before.spec_num_accepted_tokens
+    assert _all_blocks_back(engine)
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))

@@ -27,7 +27,7 @@ from tests.helpers.tiny_models import (
     save_tiny_model,
     save_tiny_tokenizer,
 )
-from tests.unit.test_spec_engine import METHODS
+from tests.unit.test_spec_engine import METHODS, for_target
 
 # Prompts that repeat themselves, so drafts from the prompt and output get accepted.
 PROMPTS = [
@@ -67,7 +67,7 @@ def _engine(model_dir: Path, speculative: str | None) -> Engine:
         model=str(model_dir),
         device="cpu",
         kv_cache_memory_gb=0.01,
-        speculative_config=speculative,
+        speculative_config=None if speculative is None else for_target(speculative, model_dir),
     )
     return engine
 

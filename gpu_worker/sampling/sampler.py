@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gpu_worker.sampling.draw import draw, uniforms
+from gpu_worker.sampling.logit_bias import add_logit_bias
 from gpu_worker.sampling.penalties import PenaltyRows, has_penalty
 from gpu_worker.sampling.state import SamplerState, SamplingRequest
 from gpu_worker.sampling.structured import GrammarMasker, RequestMatcher
@@ -109,7 +110,7 @@ class Sampler:
         if filtered:
             self.token_filters.apply(x, filters, states)
         if uses_bias:
-            self._apply_logit_bias(x, params)
+            add_logit_bias(x, params, self.vocab_size)
         if bans:
             rows, cols = zip(*bans, strict=True)
             x[self._upload(rows, torch.long), self._upload(cols, torch.long)] = float("-inf")
@@ -146,20 +147,6 @@ class Sampler:
                 banned = set(self.eos_token_ids) | set(s.sampling.stop_token_ids)
                 bans.extend((row, t) for t in sorted(banned) if t < self.vocab_size)
         return bans
-
-    def _apply_logit_bias(self, x: torch.Tensor, params: list[SamplingParams]) -> None:
-        rows: list[int] = []
-        cols: list[int] = []
-        vals: list[float] = []
-        for row, p in enumerate(params):
-            for token_id, bias in (p.logit_bias or {}).items():
-                if 0 <= token_id < self.vocab_size:
-                    rows.append(row)
-                    cols.append(token_id)
-                    vals.append(bias)
-        if rows:
-            index = (self._upload(rows, torch.long), self._upload(cols, torch.long))
-            x.index_put_(index, self._upload(vals, torch.float32), accumulate=True)
 
     def _sample_random(self, x: torch.Tensor, states: Sequence[SamplingRequest]) -> torch.Tensor:
         """Temperature, min-p, top-k and top-p on `x` ([m, vocab], every row sampled, in

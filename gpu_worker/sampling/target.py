@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpu_worker.sampling.logit_bias import add_logit_bias
 from gpu_worker.sampling.penalties import PenaltyRows, has_penalty
 from gpu_worker.sampling.state import SamplerState, SamplingRequest
 from gpu_worker.sampling.structured import GrammarMasker, RequestMatcher
@@ -107,7 +108,7 @@ class TargetLogits:
         filters = [row.sampler_state.token_filter for row in rows]
         if any(filters):
             self.token_filters.apply(x, filters, rows)
-        self._apply_logit_bias(x, rows)
+        add_logit_bias(x, [row.sampling for row in rows], self.vocab_size)
         self._apply_min_tokens(x, rows)
         penalized = [i for i, row in enumerate(rows) if has_penalty(row.sampling)]
         if penalized:
@@ -134,20 +135,6 @@ class TargetLogits:
                 [m for _, m, _ in constrained],
                 [drafts for _, _, drafts in constrained],
             )
-
-    def _apply_logit_bias(self, x: torch.Tensor, rows: Sequence[_DraftRow]) -> None:
-        at_rows: list[int] = []
-        at_cols: list[int] = []
-        values: list[float] = []
-        for i, row in enumerate(rows):
-            for token_id, bias in (row.sampling.logit_bias or {}).items():
-                if 0 <= token_id < self.vocab_size:
-                    at_rows.append(i)
-                    at_cols.append(token_id)
-                    values.append(bias)
-        if at_rows:
-            at = (self._upload(at_rows, torch.long), self._upload(at_cols, torch.long))
-            x.index_put_(at, self._upload(values, torch.float32), accumulate=True)
 
     def _apply_min_tokens(self, x: torch.Tensor, rows: Sequence[_DraftRow]) -> None:
         """EOS and stop ids to -inf on the rows whose position is short of min_tokens."""

@@ -1,14 +1,16 @@
-"""Fixtures of the unit tests that use duet's CPU kernels."""
+"""Fixtures shared by unit tests: duet's CPU kernels, one thread, a tiny random Llama."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
 from gpu_worker.ops.gguf_linear import load_extension
+from tests.helpers.tiny_models import save_tiny_model, save_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -27,3 +29,14 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama (untied embeddings, LlamaConfig's EOS 2) with a word-level
+    tokenizer of its vocabulary: an engine on it runs in milliseconds a step."""
+    out_dir, hf = save_tiny_model(
+        tmp_path_factory.mktemp("tiny-llama"), "llama", tie_word_embeddings=False
+    )
+    save_tiny_tokenizer(out_dir, hf.config.vocab_size)
+    return out_dir

@@ -17,7 +17,6 @@ from gpu_worker.core.config import EngineConfig
 from gpu_worker.sampling.target import target_probs
 from shared.protocol import Generate, RequestDelta
 from shared.sampling import SamplingParams
-from tests.helpers.tiny_models import save_tiny_model, save_tiny_tokenizer
 
 # A fixed draft length: every draft the drafter has, so that which steps draft does not
 # depend on how fast this machine runs them (the adaptive controller's own tests below).
@@ -36,9 +35,9 @@ METHODS = {"ngram": NGRAM, "suffix": SUFFIX, "draft_model": DRAFT_MODEL}
 """Each method's --speculative-config, its draft model's path spelled TARGET."""
 
 
-def for_target(speculative: str, model_dir: Path) -> str:
+def for_target(speculative: str, tiny_llama_dir: Path) -> str:
     """`speculative` with TARGET (a draft model's path) made the target's own."""
-    return speculative.replace('"TARGET"', f'"{model_dir}"')
+    return speculative.replace('"TARGET"', f'"{tiny_llama_dir}"')
 
 
 # Chat-like prompts that repeat themselves, so drafts from the prompt and output get accepted.
@@ -52,30 +51,21 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
 PENALIZED = SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.3)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out_dir, hf = save_tiny_model(
-        tmp_path_factory.mktemp("tiny-llama"), "llama", tie_word_embeddings=False
-    )
-    save_tiny_tokenizer(out_dir, hf.config.vocab_size)
-    return out_dir
-
-
-def _engine(model_dir: Path, speculative: str | None, **kwargs: Any) -> Engine:
+def _engine(tiny_llama_dir: Path, speculative: str | None, **kwargs: Any) -> Engine:
     args: dict[str, Any] = {"kv_cache_memory_gb": 0.01, **kwargs}
     if speculative is not None:
-        args["speculative_config"] = for_target(speculative, model_dir)
-    return Engine(model=str(model_dir), device="cpu", **args)
+        args["speculative_config"] = for_target(speculative, tiny_llama_dir)
+    return Engine(model=str(tiny_llama_dir), device="cpu", **args)
 
 
 @pytest.fixture(scope="module")
-def plain(model_dir: Path) -> Engine:
-    return _engine(model_dir, None)
+def plain(tiny_llama_dir: Path) -> Engine:
+    return _engine(tiny_llama_dir, None)
 
 
 @pytest.fixture(scope="module", params=sorted(METHODS))
-def spec(request: pytest.FixtureRequest, model_dir: Path) -> Engine:
-    return _engine(model_dir, METHODS[request.param])
+def spec(request: pytest.FixtureRequest, tiny_llama_dir: Path) -> Engine:
+    return _engine(tiny_llama_dir, METHODS[request.param])
 
 
 def _tokens(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[Any]:
@@ -101,8 +91,10 @@ def test_greedy_equals_plain_decoding_batched_with_penalized_requests(
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
-def test_prefix_cache_hits_on_a_second_run(plain: Engine, model_dir: Path, method: str) -> None:
-    engine = _engine(model_dir, METHODS[method])
+def test_prefix_cache_hits_on_a_second_run(
+    plain: Engine, tiny_llama_dir: Path, method: str
+) -> None:
+    engine = _engine(tiny_llama_dir, METHODS[method])
     want = _tokens(plain, PROMPTS, [GREEDY] * 4)
     assert _tokens(engine, PROMPTS, [GREEDY] * 4) == want
     hits = engine.stats().prefix_cache_hits
@@ -113,10 +105,10 @@ def test_prefix_cache_hits_on_a_second_run(plain: Engine, model_dir: Path, metho
 
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_greedy_equals_plain_decoding_under_preemption(
-    plain: Engine, model_dir: Path, method: str
+    plain: Engine, tiny_llama_dir: Path, method: str
 ) -> None:
     # 13 blocks of 16 tokens (512 bytes a token) for four sequences of 72-81 tokens.
-    engine = _engine(model_dir, METHODS[method], kv_cache_memory_gb=100_000 / 2**30)
+    engine = _engine(tiny_llama_dir, METHODS[method], kv_cache_memory_gb=100_000 / 2**30)
     assert engine.kv.num_blocks < 16
     keys = [f"r{i}" for i in range(len(PROMPTS))]
     for key, prompt in zip(keys, PROMPTS, strict=True):
@@ -170,20 +162,22 @@ SEEDED = [
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
-def test_seeded_sampling_is_reproducible_with_speculation(model_dir: Path, method: str) -> None:
+def test_seeded_sampling_is_reproducible_with_speculation(
+    tiny_llama_dir: Path, method: str
+) -> None:
     runs = []
     for _ in range(2):
-        engine = _engine(model_dir, METHODS[method])
+        engine = _engine(tiny_llama_dir, METHODS[method])
         runs.append(_tokens(engine, PROMPTS[:3], SEEDED))
         assert engine.stats().spec_num_draft_tokens > 0
     assert runs[0] == runs[1]
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
-def test_seeded_sampling_with_drafts_ignores_the_batch(model_dir: Path, method: str) -> None:
+def test_seeded_sampling_with_drafts_ignores_the_batch(tiny_llama_dir: Path, method: str) -> None:
     # Suffix drafts also come from other requests' outputs, but a seeded row emits the
     # tokens of its own draws whatever it was shown (spec_decode.verify).
-    engine = _engine(model_dir, METHODS[method])
+    engine = _engine(tiny_llama_dir, METHODS[method])
     alone = _tokens(engine, PROMPTS[:3], SEEDED)
     batched = _tokens(engine, [PROMPTS[3], *PROMPTS[:3]], [GREEDY, *SEEDED])
     assert batched[1:] == alone
@@ -237,29 +231,21 @@ def test_target_probs_apply_temperature_top_k_with_ties_top_p_and_min_p() -> Non
     )
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
-def test_greedy_equals_plain_decoding_with_chunked_prefill(
-    plain: Engine, model_dir: Path, method: str
-) -> None:
-    # 24 tokens a step: the 40-token prompts are prefilled in chunks, beside the decoding
-    # (and drafting) requests, whose 1 + k rows count against the same budget.
-    engine = _engine(model_dir, METHODS[method], max_num_batched_tokens=24)
-    prompts = PROMPTS + PROMPTS[:2]
-    params = [GREEDY] * len(PROMPTS) + [PENALIZED] * 2
-    before = engine.stats()
-    assert _tokens(engine, prompts, params) == _tokens(plain, prompts, params)
-    assert engine.stats().spec_num_accepted_tokens > before.spec_num_accepted_tokens
-    assert _all_blocks_back(engine)
+# Chunked prefill, 24 tokens a step: the 40-token prompts are prefilled in chunks beside
+# the decoding (and drafting) requests, whose 1 + k rows count against the same budget.
+# Blocks of 2 tokens: rejected drafts often leave whole blocks, which are freed and taken
+# by the next sequence to grow, so a stale block-table row would show.
+LAYOUTS = {"chunked_prefill": {"max_num_batched_tokens": 24}, "small_blocks": {"block_size": 2}}
 
 
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("method", sorted(METHODS))
-def test_greedy_equals_plain_decoding_with_small_blocks(
-    plain: Engine, model_dir: Path, method: str
+def test_greedy_equals_plain_decoding_in_other_layouts(
+    plain: Engine, tiny_llama_dir: Path, method: str, layout: str
 ) -> None:
-    # Blocks of 2 tokens: rejected drafts often leave whole blocks, which are freed and
-    # taken by the next sequence to grow, so a stale block-table row would show.
-    engine = _engine(model_dir, METHODS[method], block_size=2)
+    engine = _engine(tiny_llama_dir, METHODS[method], **LAYOUTS[layout])
     prompts = PROMPTS + PROMPTS[:2]
     params = [GREEDY] * len(PROMPTS) + [PENALIZED] * 2
     assert _tokens(engine, prompts, params) == _tokens(plain, prompts, params)
+    assert engine.stats().spec_num_accepted_tokens > 0
     assert _all_blocks_back(engine)

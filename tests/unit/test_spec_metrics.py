@@ -16,33 +16,17 @@ from render_server.generation.metrics import GenerationMetrics
 from render_server.http.metrics import RenderMetrics
 from render_server.worker_client.pool import WorkerStatus
 from shared.protocol import Generate, WorkerStats
-from shared.sampling import SamplingParams
-from tests.helpers.tiny_models import save_tiny_model, save_tiny_tokenizer
+from tests.unit.test_spec_engine import (
+    GREEDY,
+    METHODS,
+    PENALIZED,
+    PROMPTS,
+    for_target,
+)
 
+# test_spec_engine's methods (K = 4, fixed draft length: steps draft whatever the drafter
+# has, however fast this machine is), repeating prompts and tiny model (the conftest fixture).
 K = 4
-# Fixed draft length, so steps draft whatever the drafter has, however fast this machine is.
-METHODS = {
-    "ngram": f'{{"method": "ngram", "num_speculative_tokens": {K}, "prompt_lookup_min": 2, '
-    '"prompt_lookup_max": 4, "draft_length": "fixed"}',
-    "suffix": f'{{"method": "suffix", "num_speculative_tokens": {K}, "draft_length": "fixed"}}',
-}
-# Prompts that repeat themselves, so drafts come and some are accepted, some rejected.
-PROMPTS = [
-    [1] + [10 + i % 7 for i in range(40)],
-    [3, 4, 5, 6] * 8,
-    list(range(20, 60)),
-    [9, 8, 7] * 10 + [1, 2],
-]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out_dir, hf = save_tiny_model(
-        tmp_path_factory.mktemp("tiny-llama"), "llama", tie_word_embeddings=False
-    )
-    save_tiny_tokenizer(out_dir, hf.config.vocab_size)
-    return out_dir
 
 
 @pytest.fixture(scope="module", params=sorted(METHODS))
@@ -51,12 +35,12 @@ def method(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="module")
-def engine(method: str, model_dir: Path) -> Engine:
+def engine(method: str, tiny_llama_dir: Path) -> Engine:
     return Engine(
-        model=str(model_dir),
+        model=str(tiny_llama_dir),
         device="cpu",
         kv_cache_memory_gb=0.01,
-        speculative_config=METHODS[method],
+        speculative_config=for_target(METHODS[method], tiny_llama_dir),
     )
 
 
@@ -96,7 +80,8 @@ def test_each_step_counts_one_draft_and_its_accepted_head_per_position(engine: E
 
 def test_batched_counts_are_an_acceptance_length_distribution(method: str, engine: Engine) -> None:
     before = engine.stats()
-    engine.generate(PROMPTS, GREEDY)
+    # Penalized requests reject some of the drafts the target drafting for itself makes.
+    engine.generate(PROMPTS, [GREEDY, GREEDY, PENALIZED, PENALIZED])
     after = engine.stats()
     assert after.spec_method == method
     drafts = after.spec_num_drafts - before.spec_num_drafts

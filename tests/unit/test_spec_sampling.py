@@ -25,7 +25,6 @@ from tests.helpers.tiny_models import (
     PAD,
     save_byte_tokenizer,
     save_tiny_model,
-    save_tiny_tokenizer,
 )
 from tests.unit.test_spec_engine import METHODS, for_target
 
@@ -62,24 +61,14 @@ def _params(case: dict[str, Any], max_tokens: int = 30) -> list[SamplingParams]:
     ]
 
 
-def _engine(model_dir: Path, speculative: str | None) -> Engine:
+def _engine(tiny_llama_dir: Path, speculative: str | None) -> Engine:
     engine = Engine(
-        model=str(model_dir),
+        model=str(tiny_llama_dir),
         device="cpu",
         kv_cache_memory_gb=0.01,
-        speculative_config=None if speculative is None else for_target(speculative, model_dir),
+        speculative_config=None if speculative is None else for_target(speculative, tiny_llama_dir),
     )
     return engine
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out_dir, hf = save_tiny_model(
-        tmp_path_factory.mktemp("tiny-llama"), "llama", tie_word_embeddings=False
-    )
-    save_tiny_tokenizer(out_dir, hf.config.vocab_size)
-    assert hf.config.eos_token_id == TINY_EOS
-    return out_dir
 
 
 @pytest.fixture(scope="module")
@@ -99,13 +88,13 @@ def byte_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def plain(model_dir: Path) -> Engine:
-    return _engine(model_dir, None)
+def plain(tiny_llama_dir: Path) -> Engine:
+    return _engine(tiny_llama_dir, None)
 
 
 @pytest.fixture(scope="module", params=sorted(METHODS))
-def spec(request: pytest.FixtureRequest, model_dir: Path) -> Engine:
-    return _engine(model_dir, METHODS[request.param])
+def spec(request: pytest.FixtureRequest, tiny_llama_dir: Path) -> Engine:
+    return _engine(tiny_llama_dir, METHODS[request.param])
 
 
 def _assert_same(got: list[Completion], want: list[Completion]) -> None:

@@ -78,10 +78,16 @@ def make_router(
     hwm: int = DEFAULT_HWM,
     max_message_bytes: int = MAX_FRAME_BYTES,
 ) -> zmq.Socket:
-    """The worker's socket: bound, ROUTER_MANDATORY, optional CURVE server."""
+    """The worker's socket: bound, ROUTER_MANDATORY, ROUTER_HANDOVER, optional CURVE server.
+
+    Handover: a render process that reconnects (a drained worker listed again, a dropped
+    connection) does so under its own identity; without handover the router refuses the
+    new connection while it still holds the old one, and the Hello sent on it is lost
+    until the next one, a heartbeat timeout later."""
     socket = context.socket(zmq.ROUTER)
     _apply_common(socket, hwm, max_message_bytes)
     socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
     if curve is not None:
         socket.curve_secretkey = curve.secret_key
         socket.curve_publickey = curve.public_key

@@ -411,6 +411,7 @@ class FakeWorker(threading.Thread):
         super().__init__(daemon=True)
         self.context = zmq.Context()
         self.router = self.context.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # as shared.transport.make_router
         self.router.bind(bind)
         self.endpoint = bound_endpoint(self.router)
         self.before_welcome = before_welcome or []

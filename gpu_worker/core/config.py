@@ -15,12 +15,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, get_args
 
 from gpu_worker.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from shared.cli_fields import Flag
 from shared.model_card import SchedulingPolicy
 from shared.model_source import DEFAULT_MODEL
+
+CpuPrecision = Literal["exact", "fast"]
+"""--cpu-precision: fp32 throughout, or bf16 matmuls where the CPU has them
+(gpu_worker.ops.cpu_precision)."""
+CPU_PRECISIONS: tuple[CpuPrecision, ...] = get_args(CpuPrecision)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,6 +119,11 @@ class EngineConfig:
     """On CPU in fp32 from a GGUF file, multiply decode-sized batches (up to
     `gguf_linear.MAX_QUANTIZED_ROWS` rows) on the file's 4-8 bit blocks rather than on
     dense fp32 weights: the same weight values in ~5x fewer bytes per step."""
+    cpu_precision: CpuPrecision = "exact"
+    """exact: fp32 arithmetic throughout (the default). fast: on a CPU with bf16 dot
+    products (AVX512-BF16, AMX), an fp32 model multiplies prefill and batched decode in
+    bf16 with fp32 accumulation (greedy outputs may then differ from fp32's); elsewhere
+    it runs exact, with a warning."""
     enable_prefix_caching: Annotated[bool, Flag(name="--no-prefix-caching")] = (
         CacheConfig.enable_prefix_caching
     )
@@ -159,6 +169,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self._check_lora()
+        if self.cpu_precision not in CPU_PRECISIONS:
+            raise ValueError(
+                f"--cpu-precision {self.cpu_precision}: use one of {', '.join(CPU_PRECISIONS)}"
+            )
         self.speculative()  # a malformed or unsupported config fails at start
         size, nnodes = self.tensor_parallel_size, self.nnodes
         if size < 1:

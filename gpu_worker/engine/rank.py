@@ -38,6 +38,7 @@ from gpu_worker.lora.layers import LoRAState, attach_lora, lora_targets
 from gpu_worker.lora.slots import LoRASlots
 from gpu_worker.models.base import CausalLM
 from gpu_worker.models.config import ModelConfig
+from gpu_worker.ops.cpu_precision import wants_fast
 from gpu_worker.ops.layer_ops import get_layer_ops
 from gpu_worker.runner.device import resolve_dtype
 from gpu_worker.runner.kv_budget import MemoryUse
@@ -82,6 +83,8 @@ def load_rank_model(config: EngineConfig, source: ModelSource, group: TPGroup) -
         max_model_len=config.max_model_len,
         tp_group=group if group.world_size > 1 else None,
     )
+    if wants_fast(config.cpu_precision, device, dtype):
+        model.attach_fast_copies()
     heads = local_heads(mc.num_heads, mc.num_kv_heads, group.world_size, group.rank)
     local = replace(mc, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads)
     return RankModel(model, mc, local, attn_backend, backend_name, device, dtype)

@@ -20,6 +20,7 @@ from gpu_worker.attention.metadata import AttentionMetadata
 from gpu_worker.models.base import CausalLM
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.models.weights import load_stacked_weights
+from gpu_worker.ops.cpu_precision import bf16_copy, fast_linears
 from gpu_worker.ops.gguf_linear import QuantizedWeight
 from gpu_worker.ops.layer_ops import LayerOps, RotaryTables, TorchLayerOps
 from gpu_worker.ops.linear import (
@@ -358,3 +359,7 @@ class LlamaForCausalLM(CausalLM):
         attach_quantized(self, weights, self.stacked_params())
         head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
         self.logits_head.attach(weights.get(head_name), self.head_weight())
+
+    def attach_fast_copies(self) -> None:
+        fast_linears(self)
+        self.logits_head.fast_weight = bf16_copy(self.head_weight())

@@ -3,8 +3,10 @@
 A model declares its projections as `Linear` and its LM head as a `LogitsHead`; after
 loading, `prepack_linears` gives the projections their oneDNN-packed copies (bf16 on CPU)
 and `attach_quantized` the GGUF file's own blocks (fp32 on CPU,
-`gpu_worker.ops.gguf_linear`); the head has its own `prepack` and `attach`.
-The model code never sees which path runs.
+`gpu_worker.ops.gguf_linear`); the head has its own `prepack` and `attach`. With
+`--cpu-precision fast` an fp32 CPU model also gets packed bf16 copies (`fast_weight`,
+`gpu_worker.ops.cpu_precision`), which prefill and batched decode multiply in bf16 with
+fp32 accumulation. The model code never sees which path runs.
 """
 
 from __future__ import annotations
@@ -35,8 +37,12 @@ class Linear(nn.Linear):
 
     packed_weight: torch.Tensor | None = None
     quantized: QuantizedWeight | None = None
+    fast_weight: torch.Tensor | None = None
+    """--cpu-precision fast: the weight in bf16, packed (None: exact fp32 only)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast_weight is not None and takes_fast_path(self.quantized, x):
+            return fast_linear(x, self.fast_weight, self.bias)
         if self.quantized is not None and self.quantized.accepts(x):
             return self.quantized.linear(x, self.bias)
         if self.packed_weight is None:
@@ -53,6 +59,8 @@ class LogitsHead:
     def __init__(self) -> None:
         self.packed_weight: torch.Tensor | None = None
         self.quantized: QuantizedWeight | None = None
+        self.fast_weight: torch.Tensor | None = None
+        """As `Linear.fast_weight`."""
 
     def prepack(self, weight: torch.Tensor) -> None:
         """As `prepack_linears` does for the projections."""
@@ -65,6 +73,8 @@ class LogitsHead:
             self.quantized = blocks
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.fast_weight is not None and takes_fast_path(self.quantized, hidden):
+            return fast_linear(hidden, self.fast_weight)
         if self.quantized is not None and self.quantized.accepts(hidden):
             return self.quantized.linear(hidden)
         if self.packed_weight is not None:
@@ -73,6 +83,29 @@ class LogitsHead:
             )
             return logits.float()
         return F.linear(hidden, weight).float()
+
+
+FAST_MIN_ROWS = 9
+"""With a fast copy, a layer that also has GGUF blocks multiplies up to 8 rows on the
+blocks: a step of a few rows is bound by the bytes it reads, and the blocks are the
+fewest; from 9 rows (the kernel's outer-product path) the step is bound by arithmetic,
+where bf16 dot products do twice fp32's per instruction (bench/cpu_precision.py)."""
+
+
+def takes_fast_path(quantized: QuantizedWeight | None, x: torch.Tensor) -> bool:
+    """Whether a layer with a fast copy multiplies `x` on it rather than on its blocks."""
+    return quantized is None or x.shape[0] >= FAST_MIN_ROWS or not quantized.accepts(x)
+
+
+def fast_linear(
+    x: torch.Tensor, fast_weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """fp32 x @ W^T (+ bias) with x rounded to bf16 and W the packed bf16 copy: oneDNN
+    accumulates in fp32 and rounds the output to bf16; the bias is added in fp32."""
+    y = torch.ops.mkldnn._linear_pointwise(
+        x.to(torch.bfloat16), fast_weight, None, "none", [], ""
+    ).float()
+    return y if bias is None else y.add_(bias)
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:

@@ -4,9 +4,9 @@
 
 (a) A decode step at --concurrency sequences of the built-in model (64 chat prompts'
     first N, decoded past their prefill), each part timed by a wrapper around it: the
-    projections (GGUF kernel or dense, `Linear`), decode attention and the KV write
-    (duet's CPU kernels), norms, rotary and SiLU-mul (layer ops), the
-    sampler, and the rest of the step (scheduling, batch building, bookkeeping: Python).
+    projections (GGUF kernel or dense, `Linear`), the LM head, decode attention and the
+    KV write (duet's CPU kernels), norms, rotary and SiLU-mul (layer ops), the sampler,
+    and the rest of the step (scheduling, batch building, bookkeeping: Python).
     Thread counts alternate, twice each, in one process; medians per step.
 (b) Memory bandwidth at each thread count: a read of a 512 MiB fp32 tensor (a sum) and
     a copy of one, the bytes a decode step streams at best; with the step's weight and KV

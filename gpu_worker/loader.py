@@ -493,7 +493,8 @@ def _qk_row_order(name: str, rows: int, config: ModelConfig) -> np.ndarray | Non
 
 
 def gguf_block_weights(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, QuantizedWeight]:
-    """HF name -> `QuantizedWeight` for each Q4_0/Q4_1/Q8_0 matrix, Q/K rows in HF order."""
+    """HF name -> `QuantizedWeight` for each matrix in a type the CPU kernel reads
+    (`gguf_linear.SUPPORTED_TYPES`: Q4_0 .. Q8_0, Q4_K, Q5_K, Q6_K), Q/K rows in HF order."""
     arch = config.architecture
     named = [(n, t) for t in reader.tensors if (n := gguf_to_hf_name(t.name, arch)) is not None]
     orders = {}

@@ -23,9 +23,12 @@ from gpu_worker.ops.gguf_linear import (
 )
 from gpu_worker.ops.linear import Linear
 
+# The per-32 types gguf can quantize; the K-quants (rows of 256) are in test_gguf_kquants.py.
 QTYPES = [
     gguf.GGMLQuantizationType.Q4_0,
     gguf.GGMLQuantizationType.Q4_1,
+    gguf.GGMLQuantizationType.Q5_0,
+    gguf.GGMLQuantizationType.Q5_1,
     gguf.GGMLQuantizationType.Q8_0,
 ]
 
@@ -119,14 +122,41 @@ def test_linear_dispatch(ext: ModuleType) -> None:
     )
 
 
-def test_cat_refuses_mixed_types() -> None:
+def test_cat_stacks_types_in_runs_and_refuses_mixed_widths(ext: ModuleType) -> None:
+    """A fused layer of Q4_1, Q4_1, Q8_0 parts: one block per run of a type, the rows in
+    order through both `linear` (bias split alike) and `dequantize`."""
     w = _weights(8, 64, seed=2)
-    a, _ = _quantize(w, gguf.GGMLQuantizationType.Q4_1)
-    b, _ = _quantize(w, gguf.GGMLQuantizationType.Q8_0)
-    assert QuantizedWeight.cat([a, b]) is None
-    both = QuantizedWeight.cat([a, a])
-    assert both is not None
-    assert both.n == 16
+    a, ref_a = _quantize(w, gguf.GGMLQuantizationType.Q4_1)
+    b, ref_b = _quantize(w * 2, gguf.GGMLQuantizationType.Q8_0)
+    same = QuantizedWeight.cat([a, a])
+    assert same is not None
+    assert same.n == 16
+    assert not same.more
+    mixed = QuantizedWeight.cat([a, a, b])
+    assert mixed is not None
+    assert (mixed.n, mixed.k) == (24, 64)
+    assert [(blk.qtype, blk.data.shape[0]) for blk in mixed.blocks()] == [
+        (a.qtype, 16),
+        (b.qtype, 8),
+    ]
+    dense = torch.from_numpy(np.concatenate([ref_a, ref_a, ref_b]))
+    assert torch.equal(mixed.dequantize(), dense)
+    x, bias = torch.randn(3, 64), torch.randn(24)
+    expected = torch.cat(
+        [
+            ext.gemm(x, a.data, a.qtype, bias[:8]),
+            ext.gemm(x, a.data, a.qtype, bias[8:16]),
+            ext.gemm(x, b.data, b.qtype, bias[16:]),
+        ],
+        dim=1,
+    )
+    assert torch.equal(mixed.linear(x, bias), expected)
+    # Stacking a stack keeps one block per run.
+    again = QuantizedWeight.cat([mixed, b])
+    assert again is not None
+    assert [blk.data.shape[0] for blk in again.blocks()] == [16, 16]
+    wide, _ = _quantize(_weights(8, 96, seed=3), gguf.GGMLQuantizationType.Q4_1)
+    assert QuantizedWeight.cat([a, wide]) is None
 
 
 @pytest.fixture

@@ -1,4 +1,6 @@
-// y[M, N] = x[M, K] @ W^T for W stored as GGUF blocks (Q4_0, Q4_1, Q8_0), fp32 in and out.
+// y[M, N] = x[M, K] @ W^T for W stored as GGUF blocks, fp32 in and out. Types: Q4_0, Q4_1,
+// Q5_0, Q5_1, Q8_0 (blocks of 32 weights) and the K-quants Q4_K, Q5_K, Q6_K (superblocks of
+// 256, each 8 sub-blocks of 32 with 6- or 8-bit scales of their own).
 //
 // Decode on CPU is bound by streaming the weights, and these formats are 4.5-8.5 bits per
 // weight instead of fp32's 32. Each weight is dequantized exactly as gguf's numpy
@@ -6,14 +8,27 @@
 // that d*q + m never becomes one fused multiply-add), then multiplied into fp32
 // accumulators, so the result differs from `x @ dequantized.T` only in summation order.
 //
-// Layout (made by gguf_linear.QuantizedWeight.from_gguf): one row per output feature, the
-// row's bytes being the file's blocks with their fp16 scales moved to the front:
-//   Q4_0: [d_0 .. d_nb-1][16 nibble bytes x nb]        18 bytes a block
-//   Q4_1: [d_0 m_0 .. d_nb-1 m_nb-1][16 bytes x nb]    20 bytes a block
-//   Q8_0: [d_0 .. d_nb-1][32 int8 x nb]                34 bytes a block
-// Same bytes as the file, but the scales of a row sit together, so the vector path turns
-// them to fp32 16 at a time into a small buffer and broadcasts them from memory; converting
-// and broadcasting each block's scale in the inner loop made it 1.5-2x slower at one row.
+// Layout (made by gguf_linear.QuantizedWeight.from_gguf): one row per output feature, a
+// header of the row's scales first, then its "units" of 32 weights, a fixed number of
+// quant bytes each. A tile's headers are turned into fp32 parameters per unit (`prepare`)
+// once, into a small buffer that the inner loops broadcast from; converting and
+// broadcasting each block's scale in the inner loop made it 1.5-2x slower at one row.
+//   type  header (per group of units)              params per unit     quant bytes per unit
+//   Q4_0  d (fp16), per unit                       d                   16 nibbles
+//   Q4_1  d m (fp16), per unit                     d, m                16 nibbles
+//   Q5_0  d (fp16), per unit                       d                   4 plane + 16 nibbles
+//   Q5_1  d m (fp16), per unit                     d, m                4 plane + 16 nibbles
+//   Q8_0  d (fp16), per unit                       d                   32 int8
+//   Q4_K  d dmin (fp16) sc0 m0 .. sc7 m7 (u8),     d*sc, dmin*m        16 nibbles
+//         per 8 units (20 bytes)
+//   Q5_K  as Q4_K                                  d*sc, dmin*m        4 plane + 16 nibbles
+//   Q6_K  d (fp16) sc0 .. sc15 (int8), per 8       d*sc[2u], d*sc[2u+1] 8 planes + 16 nibbles
+//         units (18 bytes)                         (elements 0-15, 16-31)
+// Nibble byte i holds element i (low) and element 16 + i (high); a plane is a little-endian
+// uint32 whose bit i is one more bit (the 5th, then the 6th) of element i. The Q4_0/Q4_1/
+// Q8_0/Q5_0/Q5_1 rows are the file's bytes with the scales moved to the front; the K-quant
+// rows are repacked (6-bit scales unpacked to bytes, quants into units), within 3% of the
+// file's bytes (148/180/210 per 256 weights against 144/176/210).
 
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -22,6 +37,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -34,8 +50,13 @@ namespace {
 // ggml's type ids, as gguf.GGMLQuantizationType numbers them.
 constexpr int kQ4_0 = 2;
 constexpr int kQ4_1 = 3;
+constexpr int kQ5_0 = 6;
+constexpr int kQ5_1 = 7;
 constexpr int kQ8_0 = 8;
-constexpr int kBlock = 32;
+constexpr int kQ4_K = 12;
+constexpr int kQ5_K = 13;
+constexpr int kQ6_K = 14;
+constexpr int kBlock = 32;  // weights per unit
 // Rows per task unit: their blocks stay in L1 while every 8-row slice of x passes over them.
 constexpr int64_t kTileRows = 16;
 #ifndef DUET_PREFETCH_BYTES
@@ -45,19 +66,47 @@ constexpr int64_t kPrefetchBytes = DUET_PREFETCH_BYTES;
 
 template <int QT>
 struct Format {
-  static constexpr int scales = QT == kQ4_1 ? 2 : 1;  // fp16 values per block
-  static constexpr int quant_bytes = QT == kQ8_0 ? 32 : 16;
-  static constexpr int block_bytes = 2 * scales + quant_bytes;
+  static constexpr bool k_quant = QT == kQ4_K || QT == kQ5_K || QT == kQ6_K;
+  // Units sharing one header group, and that group's header bytes.
+  static constexpr int group_units = k_quant ? 8 : 1;
+  static constexpr int group_bytes = QT == kQ6_K                  ? 18
+                                     : k_quant                    ? 20
+                                     : QT == kQ4_1 || QT == kQ5_1 ? 4
+                                                                  : 2;
+  // fp32 values per unit after `prepare`.
+  static constexpr int params = QT == kQ4_0 || QT == kQ5_0 || QT == kQ8_0 ? 1 : 2;
+  // uint32 bit planes above the nibbles: the 5th bit, and for Q6_K the 6th.
+  static constexpr int planes = QT == kQ6_K ? 2 : (QT == kQ5_0 || QT == kQ5_1 || QT == kQ5_K);
+  static constexpr int quant_bytes = QT == kQ8_0 ? 32 : 4 * planes + 16;
+  // Header bytes of a row of `units` units.
+  static constexpr int64_t header_bytes(int64_t units) {
+    return units / group_units * group_bytes;
+  }
+  static constexpr int64_t row_bytes(int64_t units) {
+    return header_bytes(units) + units * quant_bytes;
+  }
 };
 
-int64_t block_bytes(int64_t qtype) {
+// Calls fn(std::integral_constant<int, QT>{}) for the type id `qtype`.
+template <typename Fn>
+void with_format(int64_t qtype, Fn&& fn) {
   switch (qtype) {
     case kQ4_0:
-      return Format<kQ4_0>::block_bytes;
+      return fn(std::integral_constant<int, kQ4_0>{});
     case kQ4_1:
-      return Format<kQ4_1>::block_bytes;
+      return fn(std::integral_constant<int, kQ4_1>{});
+    case kQ5_0:
+      return fn(std::integral_constant<int, kQ5_0>{});
+    case kQ5_1:
+      return fn(std::integral_constant<int, kQ5_1>{});
     case kQ8_0:
-      return Format<kQ8_0>::block_bytes;
+      return fn(std::integral_constant<int, kQ8_0>{});
+    case kQ4_K:
+      return fn(std::integral_constant<int, kQ4_K>{});
+    case kQ5_K:
+      return fn(std::integral_constant<int, kQ5_K>{});
+    case kQ6_K:
+      return fn(std::integral_constant<int, kQ6_K>{});
     default:
       TORCH_CHECK(false, "gguf_gemv: unsupported GGML type ", qtype);
   }
@@ -67,6 +116,12 @@ inline float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+inline uint32_t u32_at(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
 }
 
 // The fp16 scales at the front of `rows` rows (row_bytes apart) as fp32, `count` per row,
@@ -87,32 +142,87 @@ void convert_scales(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t c
   }
 }
 
-// ---- scalar path: the build for CPUs without AVX-512, and a cross-check for the vector one.
-
+// The fp32 parameters of `units` units of each of `rows` rows (headers row_bytes apart)
+// into out[rows][units][params]. A K-quant group's 16 parameters are one product each, as
+// gguf rounds them: d * sc and dmin * m (Q4_K, Q5_K), d * sc (Q6_K).
 template <int QT>
-inline void dequant_block_scalar(const float* sc, const uint8_t* q, float* w) {
-  const float d = sc[0];
-  if constexpr (QT == kQ8_0) {
-    for (int i = 0; i < kBlock; ++i) w[i] = static_cast<float>(static_cast<int8_t>(q[i])) * d;
-  } else if constexpr (QT == kQ4_1) {
-    const float m = sc[1];
-    for (int i = 0; i < 16; ++i) {
-      // gguf: (d * q) + m, two roundings; the low nibbles are elements 0..15.
-      const float lo = d * static_cast<float>(q[i] & 0x0F);
-      const float hi = d * static_cast<float>(q[i] >> 4);
-      w[i] = lo + m;
-      w[16 + i] = hi + m;
-    }
+void prepare(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t units, float* out) {
+  using F = Format<QT>;
+  if constexpr (!F::k_quant) {
+    convert_scales(w, row_bytes, rows, units * F::params, out);
   } else {
-    for (int i = 0; i < 16; ++i) {
-      w[i] = d * static_cast<float>((q[i] & 0x0F) - 8);
-      w[16 + i] = d * static_cast<float>((q[i] >> 4) - 8);
+    static_assert(F::group_units * F::params == 16);
+    const int64_t groups = units / F::group_units;
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* h = w + r * row_bytes + g * F::group_bytes;
+        float* dst = out + (r * groups + g) * 16;
+        const float d = half_at(h);
+        // Q4_K/Q5_K interleave (sc, m) pairs, multiplied by (d, dmin); Q6_K has 16 scales.
+        const float odd = QT == kQ6_K ? d : half_at(h + 2);
+        const uint8_t* sc = h + (QT == kQ6_K ? 2 : 4);
+#ifdef DUET_AVX512
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+        const __m512i ints =
+            QT == kQ6_K ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+        const __m512 mult = _mm512_mask_blend_ps(0xAAAA, _mm512_set1_ps(d), _mm512_set1_ps(odd));
+        _mm512_storeu_ps(dst, _mm512_mul_ps(_mm512_cvtepi32_ps(ints), mult));
+#else
+        for (int i = 0; i < 16; ++i) {
+          const float s = QT == kQ6_K ? static_cast<float>(static_cast<int8_t>(sc[i]))
+                                      : static_cast<float>(sc[i]);
+          dst[i] = s * (i % 2 ? odd : d);
+        }
+#endif
+      }
     }
   }
 }
 
-// Output features [n0, n1) for x rows [0, mc), mc <= 8; `sc` holds the rows' fp32 scales.
-// The 16 lanes are independent, so the compiler vectorizes without reassociating anything.
+// The integer quant of element i (0..31) of a unit: its nibble and its plane bits.
+template <int QT>
+inline int quant_at(const uint8_t* q, int i) {
+  constexpr int planes = Format<QT>::planes;
+  const uint8_t* nibbles = q + 4 * planes;
+  int v = i < 16 ? nibbles[i] & 0x0F : nibbles[i - 16] >> 4;
+  for (int p = 0; p < planes; ++p) v |= static_cast<int>((u32_at(q + 4 * p) >> i) & 1) << (4 + p);
+  return v;
+}
+
+// ---- scalar path: the build for CPUs without AVX-512, and a cross-check for the vector one.
+
+// One unit's 32 weights from its parameters `p` and quant bytes `q`, in gguf's fp32 steps.
+template <int QT>
+inline void dequant_block_scalar(const float* p, const uint8_t* q, float* w) {
+  const float d = p[0];
+  if constexpr (QT == kQ8_0) {
+    for (int i = 0; i < kBlock; ++i) w[i] = static_cast<float>(static_cast<int8_t>(q[i])) * d;
+  } else {
+    for (int i = 0; i < kBlock; ++i) {
+      const int v = quant_at<QT>(q, i);
+      if constexpr (QT == kQ4_0) {
+        w[i] = d * static_cast<float>(v - 8);
+      } else if constexpr (QT == kQ5_0) {
+        w[i] = d * static_cast<float>(v - 16);
+      } else if constexpr (QT == kQ4_1 || QT == kQ5_1) {
+        // gguf: (d * q) + m, two roundings.
+        const float dq = d * static_cast<float>(v);
+        w[i] = dq + p[1];
+      } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
+        // gguf: (d*sc) * q - (dmin*m), the products already rounded by `prepare`.
+        const float dq = d * static_cast<float>(v);
+        w[i] = dq - p[1];
+      } else {
+        static_assert(QT == kQ6_K);
+        w[i] = p[i / 16] * static_cast<float>(v - 32);
+      }
+    }
+  }
+}
+
+// Output features [n0, n1) for x rows [0, mc), mc <= 8; `sc` holds the rows' fp32
+// parameters. The 16 lanes are independent, so the compiler vectorizes without
+// reassociating anything.
 template <int QT>
 void rows_scalar(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes,
                  const float* sc, int64_t n0, int64_t n1, int64_t mc, float* y, int64_t N,
@@ -122,10 +232,10 @@ void rows_scalar(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes,
   float wb[kBlock];
   for (int64_t n = n0; n < n1; ++n) {
     float acc[8][16] = {};
-    const uint8_t* q = w + n * row_bytes + nb * 2 * F::scales;
-    const float* s = sc + (n - n0) * nb * F::scales;
+    const uint8_t* q = w + n * row_bytes + F::header_bytes(nb);
+    const float* s = sc + (n - n0) * nb * F::params;
     for (int64_t b = 0; b < nb; ++b) {
-      dequant_block_scalar<QT>(s + b * F::scales, q + b * F::quant_bytes, wb);
+      dequant_block_scalar<QT>(s + b * F::params, q + b * F::quant_bytes, wb);
       for (int64_t m = 0; m < mc; ++m) {
         const float* xb = x + m * K + b * kBlock;
         for (int i = 0; i < 16; ++i) acc[m][i] += wb[i] * xb[i];
@@ -142,31 +252,61 @@ void rows_scalar(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes,
 
 #ifdef DUET_AVX512
 
-// One block as two vectors: elements 0..15 and 16..31.
+// One unit as two vectors: elements 0..15 and 16..31.
 template <int QT>
-inline void dequant_block_avx512(const float* sc, const uint8_t* q, __m512& lo, __m512& hi) {
-  const __m512 d = _mm512_set1_ps(sc[0]);
+inline void dequant_block_avx512(const float* p, const uint8_t* q, __m512& lo, __m512& hi) {
+  const __m512 d = _mm512_set1_ps(p[0]);
   if constexpr (QT == kQ8_0) {
     const __m512i lo8 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
     const __m512i hi8 =
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
     lo = _mm512_mul_ps(_mm512_cvtepi32_ps(lo8), d);
     hi = _mm512_mul_ps(_mm512_cvtepi32_ps(hi8), d);
-  } else {
-    // A 4-bit block has only 16 distinct values: compute them once, in gguf's exact fp32
-    // steps, and look each nibble up with a lane permute (which reads only the index's low
-    // 4 bits, so the low nibble needs no mask).
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512 table;
-    if constexpr (QT == kQ4_1) {
-      table = _mm512_add_ps(_mm512_mul_ps(d, iota), _mm512_set1_ps(sc[1]));
-    } else {
-      table = _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)));
-    }
+  } else if constexpr (QT == kQ6_K) {
+    // 64 values and two scales: arithmetic beats four lookup tables. The plane bits go
+    // in by masked adds (a kmov each) instead of shifting them out lane by lane.
     const __m512i bytes =
-        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-    lo = _mm512_permutexvar_ps(bytes, table);
-    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 8)));
+    const uint32_t bit4 = u32_at(q), bit5 = u32_at(q + 4);
+    const __m512i sixteen = _mm512_set1_epi32(16), thirty_two = _mm512_set1_epi32(32);
+    // q - 32 = nibble - 32, + 16 where bit 4 is set, + 32 where bit 5 is.
+    __m512i vlo = _mm512_sub_epi32(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)), thirty_two);
+    __m512i vhi = _mm512_sub_epi32(_mm512_srli_epi32(bytes, 4), thirty_two);
+    vlo = _mm512_mask_add_epi32(vlo, static_cast<__mmask16>(bit4), vlo, sixteen);
+    vlo = _mm512_mask_add_epi32(vlo, static_cast<__mmask16>(bit5), vlo, thirty_two);
+    vhi = _mm512_mask_add_epi32(vhi, static_cast<__mmask16>(bit4 >> 16), vhi, sixteen);
+    vhi = _mm512_mask_add_epi32(vhi, static_cast<__mmask16>(bit5 >> 16), vhi, thirty_two);
+    lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(vlo));
+    hi = _mm512_mul_ps(_mm512_set1_ps(p[1]), _mm512_cvtepi32_ps(vhi));
+  } else {
+    // A 4-bit unit has only 16 distinct values, a 5-bit one 32: compute them once, in
+    // gguf's exact fp32 steps, and look each quant up with a lane permute (which reads
+    // only the index's low 4 bits, so the low nibble needs no mask); a 5th bit takes the
+    // value from the upper table instead.
+    constexpr bool five_bits = Format<QT>::planes == 1;
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    auto table = [&](__m512 values) {
+      if constexpr (QT == kQ4_1 || QT == kQ5_1) {
+        return _mm512_add_ps(_mm512_mul_ps(d, values), _mm512_set1_ps(p[1]));
+      } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
+        return _mm512_sub_ps(_mm512_mul_ps(d, values), _mm512_set1_ps(p[1]));
+      } else {  // Q4_0, Q5_0: d * (q - 8), d * (q - 16)
+        return _mm512_mul_ps(d, _mm512_sub_ps(values, _mm512_set1_ps(five_bits ? 16.0f : 8.0f)));
+      }
+    };
+    const __m512 lower = table(iota);
+    const __m512i bytes = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 4 * Format<QT>::planes)));
+    const __m512i high_nibbles = _mm512_srli_epi32(bytes, 4);
+    lo = _mm512_permutexvar_ps(bytes, lower);
+    hi = _mm512_permutexvar_ps(high_nibbles, lower);
+    if constexpr (five_bits) {
+      const __m512 upper = table(_mm512_add_ps(iota, _mm512_set1_ps(16.0f)));
+      const uint32_t bit4 = u32_at(q);
+      lo = _mm512_mask_permutexvar_ps(lo, static_cast<__mmask16>(bit4), bytes, upper);
+      hi = _mm512_mask_permutexvar_ps(hi, static_cast<__mmask16>(bit4 >> 16), high_nibbles,
+                                      upper);
+    }
   }
 }
 
@@ -180,7 +320,7 @@ inline void tile_avx512(const float* x, int64_t K, const uint8_t* w, int64_t row
   __m512 acc[NR][MC];
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MC; ++m) acc[r][m] = _mm512_setzero_ps();
-  const uint8_t* q = w + n * row_bytes + nb * 2 * F::scales;
+  const uint8_t* q = w + n * row_bytes + F::header_bytes(nb);
   // The rows are read in address order, but as NR short interleaved streams that the
   // hardware prefetcher picks up late; fetching kPrefetchBytes ahead overlaps the memory
   // latency with the arithmetic (1.3-1.5x on weights from DRAM).
@@ -193,7 +333,7 @@ inline void tile_avx512(const float* x, int64_t K, const uint8_t* w, int64_t row
       _mm_prefetch(reinterpret_cast<const char*>(ahead + b * ahead_step + 64), _MM_HINT_T0);
     for (int r = 0; r < NR; ++r) {
       __m512 lo, hi;
-      dequant_block_avx512<QT>(sc + (r * nb + b) * F::scales,
+      dequant_block_avx512<QT>(sc + (r * nb + b) * F::params,
                                q + r * row_bytes + b * F::quant_bytes, lo, hi);
       for (int m = 0; m < MC; ++m) {
         acc[r][m] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb + m * K), acc[r][m]);
@@ -212,7 +352,7 @@ void rows_avx512_mc(const float* x, int64_t K, const uint8_t* w, int64_t row_byt
                     const float* bias) {
   // Enough independent accumulators to hide FMA latency, few enough to stay in registers.
   constexpr int NR = MC <= 4 ? 4 : 2;
-  const int64_t stride = K / kBlock * Format<QT>::scales;
+  const int64_t stride = K / kBlock * Format<QT>::params;
   int64_t n = n0;
   for (; n + NR <= n1; n += NR)
     tile_avx512<QT, NR, MC>(x, K, w, row_bytes, sc + (n - n0) * stride, n, y, N, bias);
@@ -258,7 +398,7 @@ constexpr int64_t kDotRows = 8;  // the most rows the dot-product path takes
 constexpr int64_t kOuterRows = 48;  // weight rows per task unit: 2 x 24 or 4 x 12
 
 // Outputs n .. n+NR-1 for x rows m0 .. m0+16V-1 (those below M are stored). `q` is row
-// n's first quant byte (rows row_bytes apart), `sc` the NR rows' fp32 scales, nb apart.
+// n's first quant byte (rows row_bytes apart), `sc` the NR rows' fp32 parameters, nb units apart.
 template <int QT, int NR, int V>
 inline void outer_tile(const uint8_t* q, int64_t row_bytes, const float* sc, int64_t nb,
                        const float* xt, int64_t mp, int64_t m0, int64_t M, int64_t n,
@@ -272,7 +412,7 @@ inline void outer_tile(const uint8_t* q, int64_t row_bytes, const float* sc, int
   alignas(64) float wb[NR][kBlock];
   // The next NR rows' bytes (contiguous: rows are adjacent), fetched a slice per block so
   // they arrive while this tile computes (a prefetch past the last row does not fault).
-  const uint8_t* ahead = q - nb * 2 * F::scales + NR * row_bytes;
+  const uint8_t* ahead = q - F::header_bytes(nb) + NR * row_bytes;
   const int64_t ahead_step = NR * row_bytes / nb;
   for (int64_t b = 0; b < nb; ++b) {
     for (int64_t line = 0; line < ahead_step; line += 64)
@@ -280,7 +420,7 @@ inline void outer_tile(const uint8_t* q, int64_t row_bytes, const float* sc, int
     for (int r = 0; r < NR; ++r) {
       const uint8_t* qr = q + r * row_bytes;
       __m512 lo, hi;
-      dequant_block_avx512<QT>(sc + (r * nb + b) * F::scales, qr + b * F::quant_bytes, lo, hi);
+      dequant_block_avx512<QT>(sc + (r * nb + b) * F::params, qr + b * F::quant_bytes, lo, hi);
       _mm512_store_ps(wb[r], lo);
       _mm512_store_ps(wb[r] + 16, hi);
     }
@@ -325,8 +465,8 @@ void rows_outer(const uint8_t* w, int64_t row_bytes, const float* sc, int64_t nb
   // NR x V = 24 accumulators of the 32 registers; the rest hold x, the broadcast weight
   // and the dequantization.
   constexpr int NR = V == 2 ? 12 : 24;
-  const uint8_t* q = w + n0 * row_bytes + nb * 2 * F::scales;
-  const int64_t stride = nb * F::scales;
+  const uint8_t* q = w + n0 * row_bytes + F::header_bytes(nb);
+  const int64_t stride = nb * F::params;
   int64_t r = 0;
   for (; r + NR <= rows; r += NR)
     outer_tile<QT, NR, V>(q + r * row_bytes, row_bytes, sc + r * stride, nb, xt, mp, m0, M,
@@ -343,7 +483,7 @@ template <int QT>
 void gemm_outer(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
                 int64_t N, float* y, const float* bias) {
   const int64_t nb = K / kBlock;
-  const int64_t per_row = nb * Format<QT>::scales;
+  const int64_t per_row = nb * Format<QT>::params;
   const int64_t mp = (M + 15) / 16 * 16;
   std::vector<float> xt(K * mp, 0.0f);
   // k outer: the writes run along xt's rows; the M reads are M short streams.
@@ -356,7 +496,7 @@ void gemm_outer(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kOuterRows;
       const int64_t rows = std::min(kOuterRows, N - n0);
-      convert_scales(w + n0 * row_bytes, row_bytes, rows, per_row, scales.data());
+      prepare<QT>(w + n0 * row_bytes, row_bytes, rows, nb, scales.data());
       for (int64_t m0 = 0; m0 < M; m0 += 32) {
         if (M - m0 > 16) {
           rows_outer<QT, 2>(w, row_bytes, scales.data(), nb, n0, rows, xt.data(), mp, m0, M,
@@ -378,7 +518,7 @@ void gemm_typed(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
 #ifdef DUET_AVX512
   if (vector && M > kDotRows) return gemm_outer<QT>(x, M, K, w, row_bytes, N, y, bias);
 #endif
-  const int64_t per_row = K / kBlock * Format<QT>::scales;
+  const int64_t per_row = K / kBlock * Format<QT>::params;
   const int64_t tiles = (N + kTileRows - 1) / kTileRows;
   // Split only where each task gets at least ~256 KiB of weights: below that the fork/join
   // costs more than a second thread saves.
@@ -388,7 +528,7 @@ void gemm_typed(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
     const int64_t n_end = std::min(N, t1 * kTileRows);
     for (int64_t n0 = t0 * kTileRows; n0 < n_end; n0 += kTileRows) {
       const int64_t n1 = std::min(n_end, n0 + kTileRows);
-      convert_scales(w + n0 * row_bytes, row_bytes, n1 - n0, per_row, scales.data());
+      prepare<QT>(w + n0 * row_bytes, row_bytes, n1 - n0, K / kBlock, scales.data());
       for (int64_t m0 = 0; m0 < M; m0 += 8) {
         const int64_t mc = std::min<int64_t>(8, M - m0);
 #ifdef DUET_AVX512
@@ -409,12 +549,17 @@ void check_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 &&
                   w.is_contiguous(),
               "gguf_gemv: weight must be a contiguous CPU uint8 [N, row_bytes] tensor");
-  TORCH_CHECK(K > 0 && K % kBlock == 0, "gguf_gemv: K must be a positive multiple of 32");
-  TORCH_CHECK(w.size(1) == K / kBlock * block_bytes(qtype), "gguf_gemv: weight rows hold ",
-              w.size(1), " bytes, expected ", K / kBlock * block_bytes(qtype));
+  with_format(qtype, [&](auto qt) {
+    using F = Format<decltype(qt)::value>;
+    const int64_t block = kBlock * F::group_units;
+    TORCH_CHECK(K > 0 && K % block == 0, "gguf_gemv: K must be a positive multiple of ", block);
+    const int64_t expected = F::row_bytes(K / kBlock);
+    TORCH_CHECK(w.size(1) == expected, "gguf_gemv: weight rows hold ", w.size(1),
+                " bytes, expected ", expected);
+  });
 }
 
-// x [M, K] fp32, w [N, K / 32 * block_bytes] uint8 -> y [M, N] fp32 (+ bias [N]).
+// x [M, K] fp32, w [N, row_bytes] uint8 (the layout above) -> y [M, N] fp32 (+ bias [N]).
 at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype,
                 const c10::optional<at::Tensor>& bias_in, bool vector) {
   TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2,
@@ -435,19 +580,9 @@ at::Tensor gemm(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype,
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t rb = w.size(1);
-  switch (qtype) {
-    case kQ4_0:
-      gemm_typed<kQ4_0>(xp, M, K, wp, rb, N, yp, bp, vector);
-      break;
-    case kQ4_1:
-      gemm_typed<kQ4_1>(xp, M, K, wp, rb, N, yp, bp, vector);
-      break;
-    case kQ8_0:
-      gemm_typed<kQ8_0>(xp, M, K, wp, rb, N, yp, bp, vector);
-      break;
-    default:
-      TORCH_CHECK(false, "gguf_gemv: unsupported GGML type ", qtype);
-  }
+  with_format(qtype, [&](auto qt) {
+    gemm_typed<decltype(qt)::value>(xp, M, K, wp, rb, N, yp, bp, vector);
+  });
   return y;
 }
 
@@ -457,12 +592,12 @@ void dequantize_typed(const uint8_t* w, int64_t N, int64_t K, int64_t rb, float*
   using F = Format<QT>;
   const int64_t nb = K / kBlock;
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    std::vector<float> sc(nb * F::scales);
+    std::vector<float> sc(nb * F::params);
     for (int64_t n = n0; n < n1; ++n) {
-      convert_scales(w + n * rb, rb, 1, nb * F::scales, sc.data());
-      const uint8_t* q = w + n * rb + nb * 2 * F::scales;
+      prepare<QT>(w + n * rb, rb, 1, nb, sc.data());
+      const uint8_t* q = w + n * rb + F::header_bytes(nb);
       for (int64_t b = 0; b < nb; ++b) {
-        const float* s = sc.data() + b * F::scales;
+        const float* s = sc.data() + b * F::params;
         float* o = out + n * K + b * kBlock;
 #ifdef DUET_AVX512
         if (vector) {
@@ -486,19 +621,9 @@ at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, bool vector
   at::Tensor out = at::empty({N, K}, w.options().dtype(at::kFloat));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  switch (qtype) {
-    case kQ4_0:
-      dequantize_typed<kQ4_0>(wp, N, K, w.size(1), op, vector);
-      break;
-    case kQ4_1:
-      dequantize_typed<kQ4_1>(wp, N, K, w.size(1), op, vector);
-      break;
-    case kQ8_0:
-      dequantize_typed<kQ8_0>(wp, N, K, w.size(1), op, vector);
-      break;
-    default:
-      TORCH_CHECK(false, "gguf_gemv: unsupported GGML type ", qtype);
-  }
+  with_format(qtype, [&](auto qt) {
+    dequantize_typed<decltype(qt)::value>(wp, N, K, w.size(1), op, vector);
+  });
   return out;
 }
 

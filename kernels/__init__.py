@@ -99,8 +99,10 @@ def check_attention_inputs(
         raise ValueError(f"head_dim must be a power of two in 16..256, got {head_dim}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q must be fp16, bf16 or fp32, got {q.dtype}")
-    if kv_cache.dtype != q.dtype:
-        raise ValueError(f"kv_cache dtype {kv_cache.dtype} differs from q dtype {q.dtype}")
+    # The cache may be narrower or wider than q (--kv-cache-dtype): the kernels convert
+    # each key and value to q's dtype as they load it.
+    if kv_cache.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"kv_cache must be fp16, bf16 or fp32, got {kv_cache.dtype}")
     if block_tables.ndim != 2 or block_tables.dtype not in (torch.int32, torch.int64):
         raise ValueError("block_tables must be a 2-D int32 or int64 tensor")
     check_last_dim_contiguous("q", q)

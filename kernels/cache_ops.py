@@ -3,6 +3,8 @@
 One program per token copies all of its KV heads for both K and V. Slot `s` is block
 `s // block_size`, offset `s % block_size` in the `[2, num_blocks, block_size, num_kv_heads,
 head_dim]` cache; a negative slot (a padding token, e.g. in a CUDA-graph batch) is skipped.
+The cache may hold another dtype than k/v (--kv-cache-dtype): values are converted to it
+(rounded to nearest) as they are stored.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Store k/v `[num_tokens, num_kv_heads, head_dim]` (any token/head strides) into
-    `kv_cache` at `slot_mapping` `[num_tokens]` (int32/int64; slots < 0 are skipped)."""
+    `kv_cache` (fp32, bf16 or fp16: values converted to it) at `slot_mapping`
+    `[num_tokens]` (int32/int64; slots < 0 are skipped)."""
     check_launchable(k, v, kv_cache, slot_mapping)
     if k.ndim != 3 or k.shape != v.shape:
         raise ValueError(f"k and v must both be [tokens, kv_heads, head_dim]: {k.shape}, {v.shape}")
@@ -66,8 +69,10 @@ def write_kv_cache(
         )
     if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError("slot_mapping must be an int32/int64 tensor with one slot per token")
-    if k.dtype != kv_cache.dtype or v.dtype != kv_cache.dtype:
-        raise ValueError(f"k/v dtype {k.dtype}/{v.dtype} differs from kv_cache {kv_cache.dtype}")
+    if k.dtype != v.dtype:
+        raise ValueError(f"k and v dtypes differ: {k.dtype}, {v.dtype}")
+    if kv_cache.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"kv_cache must be fp16, bf16 or fp32, got {kv_cache.dtype}")
     for name, t in (("k", k), ("v", v), ("kv_cache", kv_cache)):
         check_last_dim_contiguous(name, t)
     num_tokens, num_kv_heads, head_dim = k.shape
@@ -102,5 +107,5 @@ def write_kv_cache_ref(
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     num_kv_heads, head_dim = kv_cache.shape[3:]
-    kv_cache[0].view(-1, num_kv_heads, head_dim)[slots] = k[keep]
-    kv_cache[1].view(-1, num_kv_heads, head_dim)[slots] = v[keep]
+    kv_cache[0].view(-1, num_kv_heads, head_dim)[slots] = k[keep].to(kv_cache.dtype)
+    kv_cache[1].view(-1, num_kv_heads, head_dim)[slots] = v[keep].to(kv_cache.dtype)

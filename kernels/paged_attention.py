@@ -19,7 +19,8 @@ the block ids of the next tile are loaded one iteration ahead, so the K/V addres
 never wait on a load of the same iteration, which is what kept the pipeliner to one buffer.
 
 KV cache layout (gpu_worker/attention/torch_backend.py):
-`[2, num_blocks, block_size, num_kv_heads, head_dim]`,
+`[2, num_blocks, block_size, num_kv_heads, head_dim]`, in the queries' dtype or another
+(--kv-cache-dtype: keys and values are converted to the queries' as they are loaded),
 0 = keys, 1 = values; token `t` of a sequence sits in block `block_table[t // block_size]`
 at offset `t % block_size`.
 """
@@ -152,6 +153,8 @@ def _paged_decode_kernel(
         next_n = offs_n + BLOCK_N
         block = tl.load(table + next_n // PAGE_SIZE, mask=next_n < end, other=0).to(tl.int64)
         k = tl.load(k_base + slot[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        # A cache of another dtype than the queries' (--kv-cache-dtype) is read in theirs.
+        k = k.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         if SOFTCAP > 0:
             qk = softcap_log2(qk, SOFTCAP)
@@ -162,6 +165,7 @@ def _paged_decode_kernel(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + slot[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 

@@ -120,6 +120,8 @@ def _attend_keys(
             k = tl.load(k_base + slot[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
         else:
             k = tl.load(k_base + slot[:, None] + offs_d[None, :])
+        # A cache of another dtype than the queries' (--kv-cache-dtype) is read in theirs.
+        k = k.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         if SOFTCAP > 0:
             qk = softcap_log2(qk, SOFTCAP)
@@ -141,6 +143,7 @@ def _attend_keys(
             v = tl.load(v_base + slot[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
         else:
             v = tl.load(v_base + slot[:, None] + offs_d[None, :])
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i

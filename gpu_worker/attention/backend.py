@@ -62,7 +62,9 @@ class AttentionBackend(Protocol):
 
     def plan(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> None:
         """Prepare this step's work for every layer. `kv_cache` is any layer's cache: all
-        layers share its shape, dtype and device."""
+        layers share its shape, dtype and device. The cache's dtype may differ from the
+        queries' (--kv-cache-dtype): keys and values are rounded to it when stored and read
+        back in the queries' dtype."""
         ...
 
     def write_kv(
@@ -93,12 +95,15 @@ class AttentionBackend(Protocol):
         ...
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
-    """Backend by name: "torch" (reference, any device) or "triton" (CUDA kernels)."""
+def get_attention_backend(name: str, query_dtype: torch.dtype | None = None) -> AttentionBackend:
+    """Backend by name: "torch" (reference, any device) or "triton" (CUDA kernels).
+    `query_dtype` is the model's dtype, which the KV cache's may differ from
+    (--kv-cache-dtype): the torch backend plans its masks and kernels for it (the Triton
+    kernels read it from the queries)."""
     if name == "torch":
         from gpu_worker.attention.torch_backend import TorchAttentionBackend
 
-        return TorchAttentionBackend()
+        return TorchAttentionBackend(query_dtype)
     if name == "triton":
         from gpu_worker.attention.triton_backend import TritonAttentionBackend
 

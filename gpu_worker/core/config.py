@@ -27,6 +27,9 @@ CpuPrecision = Literal["exact", "fast"]
 (gpu_worker.ops.cpu_precision)."""
 CPU_PRECISIONS: tuple[CpuPrecision, ...] = get_args(CpuPrecision)
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+"""The values of --kv-cache-dtype: vLLM's flag, without its fp8 ones (refused by name)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class CacheConfig:
@@ -107,6 +110,10 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = None
     """KV cache size in GiB (default: 1 on CPU; on CUDA sized by a profiling run of the largest
     prefill and decode steps, within `gpu_memory_utilization`)."""
+    kv_cache_dtype: str = "auto"
+    """The KV cache's element type: auto (the model's dtype), float32, bfloat16 or float16.
+    A 16-bit cache holds twice the tokens in the same memory and halves the bytes attention
+    reads; keys and values are rounded to it when stored. vLLM's fp8 values are refused."""
     gpu_memory_utilization: float = 0.9
     """Share of GPU memory the worker may use in all: weights, KV cache and activations."""
     attention_backend: str = "auto"
@@ -172,6 +179,12 @@ class EngineConfig:
         if self.cpu_precision not in CPU_PRECISIONS:
             raise ValueError(
                 f"--cpu-precision {self.cpu_precision}: use one of {', '.join(CPU_PRECISIONS)}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"--kv-cache-dtype {self.kv_cache_dtype}: not supported; use one of "
+                f"{', '.join(KV_CACHE_DTYPES)}"
+                + (" (duet has no fp8 KV cache)" if self.kv_cache_dtype.startswith("fp8") else "")
             )
         self.speculative()  # a malformed or unsupported config fails at start
         size, nnodes = self.tensor_parallel_size, self.nnodes

@@ -1,14 +1,14 @@
 """The draft_model drafter: a small model of the target's family, run by an inner `Engine`.
 
 The drafter owns a second engine over the draft model, on the target's device and dtype,
-with its own paged KV cache and prefix caching and no speculation of its own. It follows
-every request as any drafter does (`start_request` / `add_tokens` / `finish_request`) and
-drafts in rounds: the first `propose` after requests kept new tokens drafts greedily for
-all of them at once, each as a request of its prompt and output so far for up to K tokens,
-stepped in one batch until all are done; the proposals are kept and later `propose` calls
-of the same step are answered from them (cut to the k asked). The inner engine's prefix
-cache holds each request's earlier rounds, so a round computes little more than the tokens
-kept since the last one and the K drafted.
+with its own paged KV cache (of the target's --kv-cache-dtype) and prefix caching and no
+speculation of its own. It follows every request as any drafter does (`start_request` /
+`add_tokens` / `finish_request`) and drafts in rounds: the first `propose` after requests
+kept new tokens drafts greedily for all of them at once, each as a request of its prompt
+and output so far for up to K tokens, stepped in one batch until all are done; the
+proposals are kept and later `propose` calls of the same step are answered from them (cut
+to the k asked). The inner engine's prefix cache holds each request's earlier rounds, so a
+round computes little more than the tokens kept since the last one and the K drafted.
 
 Drafts are greedy, so they are a deterministic function of the request's tokens:
 verification treats them as one-hot proposals, which its acceptance rule already handles
@@ -31,7 +31,7 @@ import torch
 from gpu_worker.core.config import EngineConfig
 from gpu_worker.engine.errors import RequestRejected
 from gpu_worker.loader import load_config
-from gpu_worker.runner.kv_caches import model_kv_bytes_per_block
+from gpu_worker.runner.kv_caches import model_kv_bytes_per_block, resolve_kv_cache_dtype
 from gpu_worker.spec_decode.config import SpeculativeConfig
 from gpu_worker.spec_decode.draft_length import DraftStep
 from shared.model_source import ModelSource, resolve_model
@@ -95,6 +95,9 @@ class DraftModelDrafter:
             model=config.model,
             device=str(target.device),
             dtype=str(target.dtype).removeprefix("torch."),
+            # The same rounding of keys and values as the target's cache, and as many
+            # tokens per byte (`_kv_cache_gb` sizes the draft cache by it).
+            kv_cache_dtype=target_config.kv_cache_dtype,
             block_size=target_config.block_size,
             max_num_seqs=target_config.max_num_seqs,
             max_num_batched_tokens=target_config.max_num_batched_tokens,
@@ -259,7 +262,8 @@ def _kv_cache_gb(config: SpeculativeConfig, target: DraftTarget, draft: ModelSou
     blocks = math.ceil(target.num_kv_tokens / block_size) + num_seqs * (
         math.ceil(config.num_speculative_tokens / block_size) + 1
     )
-    bytes_per_block = model_kv_bytes_per_block(load_config(draft), block_size, target.dtype)
+    kv_dtype = resolve_kv_cache_dtype(target.config.kv_cache_dtype, target.dtype)
+    bytes_per_block = model_kv_bytes_per_block(load_config(draft), block_size, kv_dtype)
     return blocks * bytes_per_block / _GIB
 
 

@@ -42,7 +42,11 @@ from gpu_worker.ops.cpu_precision import wants_fast
 from gpu_worker.ops.layer_ops import get_layer_ops
 from gpu_worker.runner.device import resolve_dtype
 from gpu_worker.runner.kv_budget import MemoryUse
-from gpu_worker.runner.kv_caches import allocate_kv_caches, size_kv_cache
+from gpu_worker.runner.kv_caches import (
+    allocate_kv_caches,
+    resolve_kv_cache_dtype,
+    size_kv_cache,
+)
 from gpu_worker.runner.model_runner import AdapterRows, AdapterSlots, ModelRunner
 from gpu_worker.runner.profiling import (
     CudaMemoryProbe,
@@ -65,14 +69,17 @@ class RankModel:
     backend_name: str
     device: torch.device
     dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
+    """The KV cache's element type: `--kv-cache-dtype`, auto being `dtype`."""
 
 
 def load_rank_model(config: EngineConfig, source: ModelSource, group: TPGroup) -> RankModel:
     """Load `source` on `group.device`: this rank's shard when the group has several."""
     device = group.device
     dtype = resolve_dtype(config.dtype, device)
+    kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
     backend_name = resolve_backend_name(config.attention_backend, device)
-    attn_backend = get_attention_backend(backend_name)
+    attn_backend = get_attention_backend(backend_name, query_dtype=dtype)
     model, mc = load_model(
         source,
         device,
@@ -87,7 +94,7 @@ def load_rank_model(config: EngineConfig, source: ModelSource, group: TPGroup) -
         model.attach_fast_copies()
     heads = local_heads(mc.num_heads, mc.num_kv_heads, group.world_size, group.rank)
     local = replace(mc, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads)
-    return RankModel(model, mc, local, attn_backend, backend_name, device, dtype)
+    return RankModel(model, mc, local, attn_backend, backend_name, device, dtype, kv_cache_dtype)
 
 
 def attach_lora_slots(config: EngineConfig, rank: RankModel) -> tuple[LoRASlots, LoRAState] | None:
@@ -144,7 +151,7 @@ def build_runner(
     graph_batch_size = decode_graph_batch_size(config, rank.device, rank.backend_name)
     memory = _profile_memory(config, rank, max_model_len, graph_batch_size, post_forward)
     local = rank.local_config
-    budget = size_kv_cache(local, config, rank.device, rank.dtype, memory)
+    budget = size_kv_cache(local, config, rank.device, rank.kv_cache_dtype, memory)
     num_blocks = _smallest_over_group(budget.num_blocks, group)
     kv_caches = allocate_kv_caches(
         local.num_layers,
@@ -152,7 +159,7 @@ def build_runner(
         config.block_size,
         local.num_kv_heads,
         local.head_dim,
-        rank.dtype,
+        rank.kv_cache_dtype,
         rank.device,
     )
     runner = ModelRunner(rank.model, rank.attn_backend, kv_caches, config.block_size, rank.device)
@@ -199,6 +206,7 @@ def _profile_memory(
         CudaMemoryProbe(rank.device),
         dtype=rank.dtype,
         device=rank.device,
+        kv_cache_dtype=rank.kv_cache_dtype,
         autotunes=rank.backend_name == "triton",
     )
 

@@ -1,5 +1,7 @@
 """CPU fp32 kernels for the decode step: paged decode attention, the KV-cache write and
-RMSNorm (`csrc/cpu_ops.cpp`).
+RMSNorm (`csrc/cpu_ops.cpp`). The KV cache may be fp32, bf16 or fp16 (--kv-cache-dtype):
+the write rounds fp32 keys and values to it as torch's `.to()` does, and attention widens
+what it reads back to fp32 (exactly: every 16-bit value is an fp32 one).
 
 They live in the same JIT-built extension as the GGUF GEMV (`gguf_linear.load_extension`),
 so `DUET_CPU_GGUF_KERNELS=0` or a failed build turns them off too; callers check
@@ -28,10 +30,24 @@ def _extension() -> ModuleType:
     return ext
 
 
+KV_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The cache dtypes `paged_decode_attention` reads and `write_kv` stores into."""
+
+
 def available(t: torch.Tensor) -> bool:
     """Whether the kernels can take `t`: a CPU fp32 tensor, and the extension built (the
     first call builds it)."""
     return t.device.type == "cpu" and t.dtype == torch.float32 and load_extension() is not None
+
+
+def kv_cache_available(kv_cache: torch.Tensor) -> bool:
+    """Whether the attention and KV-write kernels can take `kv_cache`: on CPU, of one of
+    `KV_CACHE_DTYPES`, and the extension built."""
+    return (
+        kv_cache.device.type == "cpu"
+        and kv_cache.dtype in KV_CACHE_DTYPES
+        and load_extension() is not None
+    )
 
 
 def paged_decode_attention(
@@ -46,7 +62,7 @@ def paged_decode_attention(
     """One query per sequence over its cached keys and values.
 
     q `[n, heads, head_dim]` fp32 (rows may be strided, each row contiguous); kv_cache
-    `[2, num_blocks, block_size, kv_heads, head_dim]` fp32, contiguous; block_tables
+    `[2, num_blocks, block_size, kv_heads, head_dim]` fp32, bf16 or fp16, contiguous; block_tables
     `[n, max_blocks]` int32 and seq_lens `[n]` int32, contiguous. Query `i` attends to the
     first `seq_lens[i]` tokens of its blocks (its own new K/V already written); query head
     `h` reads kv head `h // (heads // kv_heads)`. Rows with seq_len 0 give zeros. Returns
@@ -62,8 +78,9 @@ def write_kv(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Store k and v `[tokens, kv_heads, head_dim]` fp32 (rows may be strided) into cache
-    slots `slot_mapping` `[tokens]` int64 of `kv_cache` (contiguous fp32), in place: what
-    the torch backend's two `index_copy_` calls do."""
+    slots `slot_mapping` `[tokens]` int64 of `kv_cache` (contiguous fp32, bf16 or fp16,
+    values rounded to nearest even as `.to()` does), in place: what the torch backend's two
+    `index_copy_` calls do."""
     _extension().write_kv(k, v, kv_cache, slot_mapping)
 
 

@@ -84,12 +84,15 @@ class KVCacheBudget:
     def kv_cache_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
 
-    def lines(self) -> list[str]:
-        """The budget, one line per term, for the start-up log."""
+    def lines(self, kv_dtype: str | None = None) -> list[str]:
+        """The budget, one line per term, for the start-up log; `kv_dtype` names the
+        cache's element type (--kv-cache-dtype resolved) on the blocks line."""
         blocks = (
             f"{_gib(self.kv_cache_bytes)} -> {self.num_blocks} blocks "
             f"of {self.bytes_per_block / (1 << 20):.2f} MiB"
         )
+        if kv_dtype is not None:
+            blocks += f" ({kv_dtype})"
         m, util = self.memory, self.gpu_memory_utilization
         if m is None or util is None:
             return [f"KV cache (explicit --kv-cache-memory-gb, or the CPU default): {blocks}"]

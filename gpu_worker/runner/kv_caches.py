@@ -22,6 +22,18 @@ logger = logging.getLogger(__name__)
 CPU_DEFAULT_KV_CACHE_GB = 1.0
 """The cache on CPU when `kv_cache_memory_gb` is not given (no free-memory probe there)."""
 
+_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's element type for `--kv-cache-dtype name`: auto is the model's dtype
+    (fp32 on CPU by default, so the default cache is exact)."""
+    if name == "auto":
+        return model_dtype
+    if name not in _KV_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {name}: use auto, {', '.join(_KV_DTYPES)}")
+    return _KV_DTYPES[name]
+
 
 def kv_cache_bytes_per_block(
     num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
@@ -58,8 +70,10 @@ def size_kv_cache(
     dtype: torch.dtype,
     memory: MemoryUse | None,
 ) -> KVCacheBudget:
-    """The cache's size: `config.kv_cache_memory_gb`, else on CPU the fixed default, else
-    what the profiled `memory` leaves under `gpu_memory_utilization`; logged line by line."""
+    """The cache's size in blocks of `dtype` (the resolved `--kv-cache-dtype`: a 16-bit
+    cache fits twice the blocks of an fp32 one): `config.kv_cache_memory_gb`, else on CPU
+    the fixed default, else what the profiled `memory` leaves under
+    `gpu_memory_utilization`; logged line by line, the dtype named."""
     kv_gb = config.kv_cache_memory_gb
     if kv_gb is None and device.type != "cuda":
         kv_gb = CPU_DEFAULT_KV_CACHE_GB
@@ -69,6 +83,10 @@ def size_kv_cache(
         gpu_memory_utilization=config.gpu_memory_utilization,
         memory=memory,
     )
-    for line in budget.lines():
+    for line in budget.lines(kv_dtype=_dtype_name(dtype)):
         logger.info("%s", line)
     return budget
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

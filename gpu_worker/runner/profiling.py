@@ -253,6 +253,7 @@ def profile_memory(
     dtype: torch.dtype,
     device: torch.device,
     autotunes: bool,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> MemoryUse:
     """What the device holds once the model is loaded, and what the largest steps, the
     autotuner (`autotunes`: the backend tunes after the cache exists) and the decode graphs
@@ -261,10 +262,15 @@ def profile_memory(
     mc = model_config
     probe.empty_cache()
     free, _ = probe.mem_get_info()
-    per_block = kv_cache_bytes_per_block(1, shapes.block_size, mc.num_kv_heads, mc.head_dim, dtype)
+    # The profile's forwards read a cache of the real one's dtype (--kv-cache-dtype): a
+    # cache narrower than the model's dtype is read through casts, which take memory too.
+    kv_dtype = kv_cache_dtype or dtype
+    per_block = kv_cache_bytes_per_block(
+        1, shapes.block_size, mc.num_kv_heads, mc.head_dim, kv_dtype
+    )
     num_blocks = max(1, min(PROFILE_KV_CACHE_BYTES, free // 4) // per_block)
     [cache] = allocate_kv_caches(
-        1, num_blocks, shapes.block_size, mc.num_kv_heads, mc.head_dim, dtype, device
+        1, num_blocks, shapes.block_size, mc.num_kv_heads, mc.head_dim, kv_dtype, device
     )
     kv_caches = [cache] * mc.num_layers
     peaks = profile_steps(model, kv_caches, shapes, post_forward, probe)

@@ -101,8 +101,11 @@ def test_decode_rejects_bad_shapes(make_paged_batch, device):
     q, kv_cache, meta = _decode_inputs(make_paged_batch, [3], 1, 64, torch.float32, device)
     with pytest.raises(ValueError, match="head_dim"):
         paged_decode_attention(q[..., :32], kv_cache, meta.block_tables, meta.seq_lens, 1.0)
-    with pytest.raises(ValueError, match="dtype"):
-        paged_decode_attention(q.half(), kv_cache, meta.block_tables, meta.seq_lens, 1.0)
+    # A cache of another float dtype than q is read in q's (--kv-cache-dtype); fp64 is neither.
+    with pytest.raises(ValueError, match="q must be fp16, bf16 or fp32"):
+        paged_decode_attention(q.double(), kv_cache, meta.block_tables, meta.seq_lens, 1.0)
+    with pytest.raises(ValueError, match="kv_cache must be fp16, bf16 or fp32"):
+        paged_decode_attention(q, kv_cache.double(), meta.block_tables, meta.seq_lens, 1.0)
     with pytest.raises(ValueError, match="multiple"):
         paged_decode_attention(
             q[:, :1].expand(1, 3, 64), kv_cache, meta.block_tables, meta.seq_lens, 1.0

@@ -1,6 +1,8 @@
 """duet's CPU kernels (gpu_worker/ops/csrc/cpu_ops.cpp): paged decode attention against a
 float64 reference, the KV write against index_copy_, RMSNorm against F.rms_norm, and the
-torch attention backend with and without them."""
+torch attention backend with and without them. The cache is fp32, bf16 or fp16
+(--kv-cache-dtype): the reference reads the same stored 16-bit values, so the kernel must
+match it as closely as for an fp32 cache."""
 
 from __future__ import annotations
 
@@ -17,16 +19,27 @@ from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from gpu_worker.ops import cpu_ops
 
 BLOCK = 16
+CACHE_DTYPES = [
+    pytest.param(torch.float32, id="cache-fp32"),
+    pytest.param(torch.bfloat16, id="cache-bf16"),
+    pytest.param(torch.float16, id="cache-fp16"),
+]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _paged_case(
-    seq_lens: list[int], heads: int, kv_heads: int, dim: int, seed: int
+    seq_lens: list[int],
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    seed: int,
+    cache_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, a cache whose unused blocks are NaN (a read of one poisons the output), block
-    tables in shuffled order padded with -1 past each sequence's last block, seq_lens."""
+    """q, a cache (of `cache_dtype`) whose unused blocks are NaN (a read of one poisons the
+    output), block tables in shuffled order padded with -1 past each sequence's last
+    block, seq_lens."""
     gen = torch.Generator().manual_seed(seed)
     needed = [-(-n // BLOCK) for n in seq_lens]
     num_blocks = sum(needed) + 5  # spare blocks nobody owns
@@ -40,13 +53,13 @@ def _paged_case(
         for b in ids:
             cache[:, b] = torch.randn((2, BLOCK, kv_heads, dim), generator=gen)
     q = torch.randn((len(seq_lens), heads, dim), generator=gen)
-    return q, cache, tables, torch.tensor(seq_lens, dtype=torch.int32)
+    return q, cache.to(cache_dtype), tables, torch.tensor(seq_lens, dtype=torch.int32)
 
 
 def _reference(
     q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Gather each sequence's keys/values, softmax in float64."""
+    """Gather each sequence's keys/values (as stored, in any dtype), softmax in float64."""
     heads, dim = q.shape[1:]
     kv_heads = cache.shape[3]
     out = torch.zeros(q.shape, dtype=torch.float64)
@@ -64,17 +77,26 @@ def _reference(
 LENGTHS = [1, 15, 16, 17, 100]
 
 
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("vector", [True, False], ids=["avx512", "portable"])
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3), (16, 2)])  # GQA ratio 1, 3, 8
 @pytest.mark.parametrize("n", [1, 3, 17])
 def test_paged_decode_attention_matches_reference(
-    ext: ModuleType, vector: bool, dim: int, heads: int, kv_heads: int, n: int
+    ext: ModuleType,
+    vector: bool,
+    dim: int,
+    heads: int,
+    kv_heads: int,
+    n: int,
+    cache_dtype: torch.dtype,
 ) -> None:
     seq_lens = [LENGTHS[(i + n) % len(LENGTHS)] for i in range(n)]
     if n > 1:
         seq_lens[1] = 0  # an empty row gives zeros
-    q, cache, tables, lens = _paged_case(seq_lens, heads, kv_heads, dim, seed=n * dim + heads)
+    q, cache, tables, lens = _paged_case(
+        seq_lens, heads, kv_heads, dim, seed=n * dim + heads, cache_dtype=cache_dtype
+    )
     scale = dim**-0.5
     out = cpu_ops.paged_decode_attention(q, cache, tables, lens, scale, vector=vector)
     assert out.shape == q.shape
@@ -86,10 +108,13 @@ def test_paged_decode_attention_matches_reference(
         assert torch.all(out[1] == 0)
 
 
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("dim", [40, 80])
-def test_paged_decode_attention_other_head_dims(ext: ModuleType, dim: int) -> None:
+def test_paged_decode_attention_other_head_dims(
+    ext: ModuleType, dim: int, cache_dtype: torch.dtype
+) -> None:
     """Head dims the vector path does not specialize go to the portable one."""
-    q, cache, tables, lens = _paged_case([5, 33, 16], 6, 2, dim, seed=dim)
+    q, cache, tables, lens = _paged_case([5, 33, 16], 6, 2, dim, seed=dim, cache_dtype=cache_dtype)
     out = cpu_ops.paged_decode_attention(q, cache, tables, lens, 0.3)
     torch.testing.assert_close(
         out.double(), _reference(q, cache, tables, lens, 0.3), atol=2e-6, rtol=1e-5
@@ -144,6 +169,8 @@ def test_paged_decode_attention_rejects_bad_input(ext: ModuleType) -> None:
         cpu_ops.paged_decode_attention(q, cache, tables.long(), lens, 1.0)
     with pytest.raises(RuntimeError, match="float32"):
         cpu_ops.paged_decode_attention(q.double(), cache, tables, lens, 1.0)
+    with pytest.raises(RuntimeError, match="bfloat16 or float16"):
+        cpu_ops.paged_decode_attention(q, cache.double(), tables, lens, 1.0)
     with pytest.raises(RuntimeError, match="multiple"):
         cpu_ops.paged_decode_attention(q[:, :3], cache, tables, lens, 1.0)
     with pytest.raises(RuntimeError, match="contiguous"):
@@ -165,6 +192,30 @@ def test_write_kv_matches_index_copy(ext: ModuleType) -> None:
     assert torch.equal(got, want)
     with pytest.raises(RuntimeError, match="outside"):
         cpu_ops.write_kv(k[:1], v[:1], got, torch.tensor([20 * BLOCK]))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_write_kv_rounds_as_torch_does(ext: ModuleType, cache_dtype: torch.dtype) -> None:
+    """Into a 16-bit cache each value is what `.to(cache_dtype)` gives, bit for bit: ties,
+    values past fp16's range, denormals, infinities and NaN included."""
+    qkv = torch.randn(37, 4 + 2 * 2, 64) * 4
+    special = torch.tensor(
+        [0.0, -0.0, 1e-40, -3e-39, 1e-8, 65504.0, 65520.0, 1e6, -3.0e38, float("inf"),
+         float("-inf"), float("nan"), 1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.0 + 2**-11]
+    )  # fmt: skip
+    qkv.view(-1)[: special.numel()] = special
+    qkv[5, 4, :8] = special[:8]  # in k
+    qkv[9, 7, :8] = special[7:]  # in v
+    k, v = qkv[:, 4:6], qkv[:, 6:]
+    slots = torch.randperm(20 * BLOCK)[:37]
+    want = torch.randn(2, 20, BLOCK, 2, 64).to(cache_dtype)
+    got = want.clone()
+    for i in (0, 1):
+        want[i].view(-1, 2, 64).index_copy_(0, slots, (k, v)[i].to(cache_dtype))
+    cpu_ops.write_kv(k, v, got, slots)
+    # Bits, not values: -0.0 must stay -0.0; a NaN need only stay a NaN.
+    same_bits = got.view(torch.int16) == want.view(torch.int16)
+    assert bool((same_bits | (got.isnan() & want.isnan())).all())
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (7, 576), (3, 5, 64), (2, 100)])
@@ -218,8 +269,23 @@ def test_available_needs_cpu_fp32(ext: ModuleType) -> None:
     assert not cpu_ops.available(torch.zeros(2, dtype=torch.bfloat16))
 
 
+def test_kv_cache_available_takes_16_bit_caches(
+    ext: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert cpu_ops.kv_cache_available(torch.zeros(2, dtype=dtype))
+    assert not cpu_ops.kv_cache_available(torch.zeros(2, dtype=torch.float64))
+    monkeypatch.setattr(cpu_ops, "load_extension", lambda: None)
+    assert not cpu_ops.kv_cache_available(torch.zeros(2, dtype=torch.bfloat16))
+
+
+def _kernels_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch backend without duet's kernels: as where the extension cannot be built."""
+    monkeypatch.setattr(attention.cpu_ops, "load_extension", lambda: None)
+
+
 def _mixed_step(
-    heads: int, kv_heads: int, dim: int
+    heads: int, kv_heads: int, dim: int, cache_dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
     """A cache holding each sequence's context, and a step mixing a fresh prompt, a prefill
     chunk over a cached prefix and decodes (non-contiguous rows among them)."""
@@ -231,7 +297,7 @@ def _mixed_step(
     tables = []
     for q_len, ctx in zip(query_lens, context_lens, strict=True):
         tables.append([order.pop() for _ in range(-(-(q_len + ctx) // BLOCK))])
-    cache = torch.randn((2, num_blocks, BLOCK, kv_heads, dim), generator=gen)
+    cache = torch.randn((2, num_blocks, BLOCK, kv_heads, dim), generator=gen).to(cache_dtype)
     meta = build_attention_metadata(query_lens, context_lens, tables, BLOCK)
     tokens = sum(query_lens)
     q = torch.randn((tokens, heads, dim), generator=gen)
@@ -240,12 +306,17 @@ def _mixed_step(
     return q, k, v, cache, meta
 
 
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4)])
 def test_backend_with_kernel_equals_without(
-    ext: ModuleType, monkeypatch: pytest.MonkeyPatch, heads: int, kv_heads: int
+    ext: ModuleType,
+    monkeypatch: pytest.MonkeyPatch,
+    heads: int,
+    kv_heads: int,
+    cache_dtype: torch.dtype,
 ) -> None:
-    q, k, v, cache, meta = _mixed_step(heads, kv_heads, 64)
-    backend = TorchAttentionBackend()
+    q, k, v, cache, meta = _mixed_step(heads, kv_heads, 64, cache_dtype)
+    backend = TorchAttentionBackend(torch.float32)
     scale = 64**-0.5
 
     fast_cache = cache.clone()
@@ -255,7 +326,7 @@ def test_backend_with_kernel_equals_without(
     assert backend.step_plan.kernel_decodes is not None
     assert backend.step_plan.decode == []
 
-    monkeypatch.setattr(attention.cpu_ops, "available", lambda t: False)
+    _kernels_off(monkeypatch)
     slow_cache = cache.clone()
     backend.plan(meta, slow_cache)
     slow = backend.forward(q, k, v, slow_cache, meta, scale)
@@ -286,7 +357,7 @@ def test_backend_pure_decode_uses_kernel_without_plan(
     fast = backend.forward(q, k, v, fast_cache, meta, 0.125)
     assert backend.step_plan is None
 
-    monkeypatch.setattr(attention.cpu_ops, "available", lambda t: False)
+    _kernels_off(monkeypatch)
     slow_cache = cache.clone()
     backend.plan(meta, slow_cache)
     slow = backend.forward(q, k, v, slow_cache, meta, 0.125)

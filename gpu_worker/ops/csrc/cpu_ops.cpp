@@ -9,6 +9,9 @@
 // F.rms_norm on CPU runs as five or six separate aten ops (~30 us a call at one row, 61
 // calls a step); one pass here is a few microseconds.
 //
+// The KV cache may be fp32, bf16 or fp16 (--kv-cache-dtype): the write rounds to it, the
+// attention widens each key and value to fp32 as it loads it and computes as for fp32.
+//
 // -ffp-contract=off (needed by the GGUF dequantization) keeps the compiler from fusing
 // a*b+c; where fused multiply-adds are wanted (the attention dot products and the V
 // accumulation) they are written as intrinsics, which the flag does not touch. RMSNorm
@@ -35,28 +38,37 @@ namespace {
 // Paged decode attention
 // ---------------------------------------------------------------------------------------
 
+// The cache's element type T is float, c10::BFloat16 or c10::Half (--kv-cache-dtype);
+// every read widens to fp32, which is exact, so a 16-bit cache changes what is stored
+// (rounded at the write) but not how attention computes over it.
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float widen(c10::Half x) { return static_cast<float>(x); }
+
 // Where one (sequence, kv head) reads: the keys of token t sit at
 // k + (table[t / block_size] * block_size + t % block_size) * token_stride, values at the
 // same offset from v.
+template <typename T>
 struct KvView {
-  const float* k;
-  const float* v;
+  const T* k;
+  const T* v;
   const int32_t* table;
   int64_t block_size;
-  int64_t token_stride;  // floats between consecutive tokens of a block: kv_heads * head_dim
+  int64_t token_stride;  // elements between consecutive tokens of a block: kv_heads * head_dim
 };
 
 // Requests the rows of block `b` (`row_bytes` each, from `rows`: kv.k or kv.v).
-inline void prefetch_block(const KvView& kv, const float* rows, int64_t b, int64_t len,
+template <typename T>
+inline void prefetch_block(const KvView<T>& kv, const T* rows, int64_t b, int64_t len,
                            int64_t row_bytes) {
   const int64_t t0 = b * kv.block_size;
   if (t0 >= len) return;
   const int64_t count = std::min(kv.block_size, len - t0);
   const char* p = reinterpret_cast<const char*>(
       rows + static_cast<int64_t>(kv.table[b]) * kv.block_size * kv.token_stride);
+  const int64_t token_bytes = kv.token_stride * static_cast<int64_t>(sizeof(T));
   for (int64_t o = 0; o < count; ++o)
-    for (int64_t c = 0; c < row_bytes; c += 64)
-      __builtin_prefetch(p + o * kv.token_stride * 4 + c);
+    for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(p + o * token_bytes + c);
 }
 
 // Calls fn(t, offset_of_token_t) for t in [0, len), one block at a time. Given `rows`,
@@ -64,22 +76,22 @@ inline void prefetch_block(const KvView& kv, const float* rows, int64_t b, int64
 // so the hardware prefetchers cannot run ahead across them. Measured at 32 sequences of
 // 150 tokens (SmolLM2's shapes, 30 layers' caches): 28.6 -> 21 ms; two or three blocks
 // ahead was no better.
-template <typename Fn>
-inline void for_each_token(const KvView& kv, int64_t len, Fn&& fn, const float* rows = nullptr,
+template <typename T, typename Fn>
+inline void for_each_token(const KvView<T>& kv, int64_t len, Fn&& fn, const T* rows = nullptr,
                            int64_t row_bytes = 0) {
-  const int64_t block_floats = kv.block_size * kv.token_stride;
+  const int64_t block_elems = kv.block_size * kv.token_stride;
+  const int64_t token_bytes = kv.token_stride * static_cast<int64_t>(sizeof(T));
   for (int64_t t0 = 0, b = 0; t0 < len; t0 += kv.block_size, ++b) {
-    const int64_t base = static_cast<int64_t>(kv.table[b]) * block_floats;
+    const int64_t base = static_cast<int64_t>(kv.table[b]) * block_elems;
     const int64_t count = std::min(kv.block_size, len - t0);
     // Inline rather than through prefetch_block: that call here measured ~30% slower.
     const int64_t ahead = t0 + kv.block_size;
     if (rows != nullptr && ahead < len) {
       const int64_t next_count = std::min(kv.block_size, len - ahead);
       const char* next = reinterpret_cast<const char*>(
-          rows + static_cast<int64_t>(kv.table[b + 1]) * block_floats);
+          rows + static_cast<int64_t>(kv.table[b + 1]) * block_elems);
       for (int64_t o = 0; o < next_count; ++o)
-        for (int64_t c = 0; c < row_bytes; c += 64)
-          __builtin_prefetch(next + o * kv.token_stride * 4 + c);
+        for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(next + o * token_bytes + c);
     }
     for (int64_t o = 0; o < count; ++o) fn(t0 + o, base + o * kv.token_stride);
   }
@@ -87,19 +99,20 @@ inline void for_each_token(const KvView& kv, int64_t len, Fn&& fn, const float* 
 
 // Portable path (any head_dim, any CPU): written lane-parallel so -march=native can
 // vectorize it without reassociating (there is no -ffast-math).
-void attend_generic(const float* q, float* out, const KvView& kv, int64_t len, int64_t groups,
-                    int64_t dim, float scale, float* scores, float* acc) {
+template <typename T>
+void attend_generic(const float* q, float* out, const KvView<T>& kv, int64_t len,
+                    int64_t groups, int64_t dim, float scale, float* scores, float* acc) {
   constexpr int kLanes = 16;
   for_each_token(kv, len, [&](int64_t t, int64_t off) {
-    const float* kp = kv.k + off;
+    const T* kp = kv.k + off;
     for (int64_t g = 0; g < groups; ++g) {
       const float* qg = q + g * dim;
       float lanes[kLanes] = {};
       int64_t d = 0;
       for (; d + kLanes <= dim; d += kLanes)
-        for (int j = 0; j < kLanes; ++j) lanes[j] += qg[d + j] * kp[d + j];
+        for (int j = 0; j < kLanes; ++j) lanes[j] += qg[d + j] * widen(kp[d + j]);
       float s = 0.f;
-      for (; d < dim; ++d) s += qg[d] * kp[d];
+      for (; d < dim; ++d) s += qg[d] * widen(kp[d]);
       for (int j = 0; j < kLanes; ++j) s += lanes[j];
       scores[g * len + t] = s * scale;
     }
@@ -117,11 +130,11 @@ void attend_generic(const float* q, float* out, const KvView& kv, int64_t len, i
   }
   std::fill(acc, acc + groups * dim, 0.f);
   for_each_token(kv, len, [&](int64_t t, int64_t off) {
-    const float* vp = kv.v + off;
+    const T* vp = kv.v + off;
     for (int64_t g = 0; g < groups; ++g) {
       const float p = scores[g * len + t];
       float* a = acc + g * dim;
-      for (int64_t d = 0; d < dim; ++d) a[d] += p * vp[d];
+      for (int64_t d = 0; d < dim; ++d) a[d] += p * widen(vp[d]);
     }
   });
   for (int64_t g = 0; g < groups; ++g)
@@ -129,6 +142,18 @@ void attend_generic(const float* q, float* out, const KvView& kv, int64_t len, i
 }
 
 #ifdef DUET_CPU_OPS_AVX512
+
+// 16 cache elements widened to fp32: fp16 by the F16C-style conversion AVX-512F has, bf16
+// by placing its 16 bits at the top of each fp32 lane (bf16 is fp32's upper half).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i wide =
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
 
 // e^x for x <= 0 (softmax after subtracting the max), cephes' expf: Cody-Waite reduction
 // by ln 2 and a degree-5 polynomial, about 1 ulp. x below -87 gives ~0 (scalef underflows
@@ -174,21 +199,21 @@ inline float softmax_in_place(float* s, int64_t len) {
 // head_dim = 16 * V. G query heads share each key/value row: the keys are loaded once per
 // token for all of them, and the value accumulators of all G heads stay in registers
 // (G * V <= 16 of the 32 zmm registers) for the whole sequence.
-template <int V, int G>
-void accumulate_values(const KvView& kv, int64_t len, const float* p, float* out,
+template <int V, int G, typename T>
+void accumulate_values(const KvView<T>& kv, int64_t len, const float* p, float* out,
                        const float* inv) {
   __m512 acc[G][V];
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < V; ++j) acc[g][j] = _mm512_setzero_ps();
   for_each_token(kv, len, [&](int64_t t, int64_t off) {
-    const float* vp = kv.v + off;
+    const T* vp = kv.v + off;
     __m512 vr[V];
-    for (int j = 0; j < V; ++j) vr[j] = _mm512_loadu_ps(vp + 16 * j);
+    for (int j = 0; j < V; ++j) vr[j] = load16(vp + 16 * j);
     for (int g = 0; g < G; ++g) {
       const __m512 pg = _mm512_set1_ps(p[g * len + t]);
       for (int j = 0; j < V; ++j) acc[g][j] = _mm512_fmadd_ps(pg, vr[j], acc[g][j]);
     }
-  }, kv.v, 64 * V);
+  }, kv.v, 16 * V * static_cast<int64_t>(sizeof(T)));
   for (int g = 0; g < G; ++g) {
     const __m512 s = _mm512_set1_ps(inv[g]);
     for (int j = 0; j < V; ++j)
@@ -197,33 +222,34 @@ void accumulate_values(const KvView& kv, int64_t len, const float* p, float* out
 }
 
 // scores[g * len + t] = q_g . k_t for G heads, their queries held in registers.
-template <int V, int G>
-void scores_for(const float* q, const KvView& kv, int64_t len, float* scores) {
+template <int V, int G, typename T>
+void scores_for(const float* q, const KvView<T>& kv, int64_t len, float* scores) {
   __m512 qr[G][V];
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < V; ++j) qr[g][j] = _mm512_loadu_ps(q + g * 16 * V + 16 * j);
   for_each_token(kv, len, [&](int64_t t, int64_t off) {
-    const float* kp = kv.k + off;
+    const T* kp = kv.k + off;
     __m512 kr[V];
-    for (int j = 0; j < V; ++j) kr[j] = _mm512_loadu_ps(kp + 16 * j);
+    for (int j = 0; j < V; ++j) kr[j] = load16(kp + 16 * j);
     for (int g = 0; g < G; ++g) {
       __m512 s = _mm512_mul_ps(qr[g][0], kr[0]);
       for (int j = 1; j < V; ++j) s = _mm512_fmadd_ps(qr[g][j], kr[j], s);
       scores[g * len + t] = _mm512_reduce_add_ps(s);
     }
-  }, kv.k, 64 * V);
+  }, kv.k, 16 * V * static_cast<int64_t>(sizeof(T)));
 }
 
 // Heads in chunks of up to 16 / V (so their registers fit), each chunk one pass over the
 // sequence's rows; q arrives pre-scaled.
-template <int V>
-void attend_vec(const float* q, float* out, const KvView& kv, int64_t len, int64_t groups,
+template <int V, typename T>
+void attend_vec(const float* q, float* out, const KvView<T>& kv, int64_t len, int64_t groups,
                 float* scores, float* inv) {
   constexpr int kChunk = std::max(1, 16 / V);
   constexpr int64_t dim = 16 * V;
+  constexpr int64_t row_bytes = dim * static_cast<int64_t>(sizeof(T));
   // The value pass starts on a block nothing has requested yet; ask for it now, so it
   // arrives during the key pass (~8% at 32 x 150 tokens).
-  prefetch_block(kv, kv.v, 0, len, 64 * V);
+  prefetch_block(kv, kv.v, 0, len, row_bytes);
   for (int64_t g0 = 0; g0 < groups; g0 += kChunk) {
     const int64_t n = std::min<int64_t>(kChunk, groups - g0);
     float* s = scores + g0 * len;
@@ -261,14 +287,62 @@ void attend_vec(const float* q, float* out, const KvView& kv, int64_t len, int64
 
 #endif  // DUET_CPU_OPS_AVX512
 
+// One decode batch over a cache of T: queries' rows, each (sequence, kv head) one item.
+template <typename T>
+void decode_batch(const float* q_data, int64_t q_row, const T* k_data, const T* v_data,
+                  const int32_t* tables, int64_t width, const int32_t* lens, int64_t n,
+                  int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
+                  int64_t total, int64_t longest, float scale, bool use_vec, float* out_data) {
+  const int64_t groups = heads / kv_heads;
+  const int64_t token_stride = kv_heads * dim;
+  // Work item = (sequence, kv head). Below ~32k key rows in all, a thread pool's wake-up
+  // costs more than it saves, so the whole batch is one chunk.
+  const int64_t items = n * kv_heads;
+  const int64_t rows = std::max<int64_t>(1, total * kv_heads);
+  const int64_t grain = std::max<int64_t>(1, items * 32768 / rows);
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(groups * std::max<int64_t>(longest, 1));
+    std::vector<float> qs(groups * dim), acc(groups * dim), inv(groups);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = item / kv_heads, h = item % kv_heads;
+      const int64_t len = lens[i];
+      float* o = out_data + (i * heads + h * groups) * dim;
+      if (len == 0) {
+        std::fill(o, o + groups * dim, 0.f);
+        continue;
+      }
+      // Scaling q once costs groups * dim multiplies instead of len * groups.
+      const float* qi = q_data + i * q_row + h * groups * dim;
+      for (int64_t d = 0; d < groups * dim; ++d) qs[d] = qi[d] * scale;
+      const KvView<T> kv{k_data + h * dim, v_data + h * dim, tables + i * width, block_size,
+                         token_stride};
+#ifdef DUET_CPU_OPS_AVX512
+      if (use_vec) {
+        if (dim == 64)
+          attend_vec<4>(qs.data(), o, kv, len, groups, scores.data(), inv.data());
+        else
+          attend_vec<8>(qs.data(), o, kv, len, groups, scores.data(), inv.data());
+        continue;
+      }
+#endif
+      attend_generic(qs.data(), o, kv, len, groups, dim, 1.f, scores.data(), acc.data());
+    }
+  });
+}
+
+bool is_kv_cache_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
                                      const torch::Tensor& block_tables,
                                      const torch::Tensor& seq_lens, double scale, bool vector) {
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu() &&
                   block_tables.device().is_cpu() && seq_lens.device().is_cpu(),
               "paged_decode_attention: CPU tensors only");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat,
-              "paged_decode_attention: q and kv_cache must be float32");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && is_kv_cache_dtype(kv_cache.scalar_type()),
+              "paged_decode_attention: q must be float32 and kv_cache float32, bfloat16 or "
+              "float16");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "paged_decode_attention: block_tables and seq_lens must be int32");
   TORCH_CHECK(q.dim() == 3, "paged_decode_attention: q must be [n, heads, head_dim]");
@@ -310,52 +384,25 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   }
 
   auto out = torch::empty({n, heads, dim}, q.options().memory_format(at::MemoryFormat::Contiguous));
-  const int64_t groups = heads / kv_heads;
-  const int64_t token_stride = kv_heads * dim;
-  const float* q_data = q.data_ptr<float>();
-  const int64_t q_row = q.stride(0);
-  float* out_data = out.data_ptr<float>();
-  const float* k_data = kv_cache.data_ptr<float>();
-  const float* v_data = k_data + kv_cache.stride(0);
-  const float fscale = static_cast<float>(scale);
   bool use_vec = false;
 #ifdef DUET_CPU_OPS_AVX512
   use_vec = vector && (dim == 64 || dim == 128);
 #endif
-
-  // Work item = (sequence, kv head). Below ~32k key rows in all, a thread pool's wake-up
-  // costs more than it saves, so the whole batch is one chunk.
-  const int64_t items = n * kv_heads;
-  const int64_t rows = std::max<int64_t>(1, total * kv_heads);
-  const int64_t grain = std::max<int64_t>(1, items * 32768 / rows);
-  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(groups * std::max<int64_t>(longest, 1));
-    std::vector<float> qs(groups * dim), acc(groups * dim), inv(groups);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t i = item / kv_heads, h = item % kv_heads;
-      const int64_t len = lens[i];
-      float* o = out_data + (i * heads + h * groups) * dim;
-      if (len == 0) {
-        std::fill(o, o + groups * dim, 0.f);
-        continue;
-      }
-      // Scaling q once costs groups * dim multiplies instead of len * groups.
-      const float* qi = q_data + i * q_row + h * groups * dim;
-      for (int64_t d = 0; d < groups * dim; ++d) qs[d] = qi[d] * fscale;
-      const KvView kv{k_data + h * dim, v_data + h * dim, tables + i * width, block_size,
-                      token_stride};
-#ifdef DUET_CPU_OPS_AVX512
-      if (use_vec) {
-        if (dim == 64)
-          attend_vec<4>(qs.data(), o, kv, len, groups, scores.data(), inv.data());
-        else
-          attend_vec<8>(qs.data(), o, kv, len, groups, scores.data(), inv.data());
-        continue;
-      }
-#endif
-      attend_generic(qs.data(), o, kv, len, groups, dim, 1.f, scores.data(), acc.data());
-    }
-  });
+  const auto run = [&](auto* k_data) {
+    decode_batch(q.data_ptr<float>(), q.stride(0), k_data, k_data + kv_cache.stride(0), tables,
+                 width, lens, n, heads, kv_heads, dim, block_size, total, longest,
+                 static_cast<float>(scale), use_vec, out.data_ptr<float>());
+  };
+  switch (kv_cache.scalar_type()) {
+    case at::kBFloat16:
+      run(kv_cache.data_ptr<c10::BFloat16>());
+      break;
+    case at::kHalf:
+      run(kv_cache.data_ptr<c10::Half>());
+      break;
+    default:
+      run(kv_cache.data_ptr<float>());
+  }
   return out;
 }
 
@@ -363,16 +410,36 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 // KV-cache write
 // ---------------------------------------------------------------------------------------
 
+// One fp32 row into the cache's element type: a copy for fp32, else c10's rounding to
+// nearest even, the conversion torch's `.to()` makes.
+inline void store_row(float* dst, const float* src, int64_t count) {
+  std::memcpy(dst, src, count * sizeof(float));
+}
+template <typename T>
+inline void store_row(T* dst, const float* src, int64_t count) {
+  for (int64_t e = 0; e < count; ++e) dst[e] = static_cast<T>(src[e]);
+}
+
+template <typename T>
+void write_rows(const float* kd, int64_t k_stride, const float* vd, int64_t v_stride, T* kc,
+                T* vc, const int64_t* slot, int64_t tokens, int64_t row) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    store_row(kc + slot[t] * row, kd + t * k_stride, row);
+    store_row(vc + slot[t] * row, vd + t * v_stride, row);
+  }
+}
+
 // kv_cache[0/1] viewed as [slots, kv_heads, head_dim]: row slot_mapping[t] <- k[t] / v[t].
-// One call for both tensors and a memcpy per row, instead of two index_copy_ calls.
+// One call for both tensors and a memcpy (or conversion) per row, instead of two
+// index_copy_ calls.
 void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kv_cache,
               const torch::Tensor& slot_mapping) {
   TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu() && kv_cache.device().is_cpu() &&
                   slot_mapping.device().is_cpu(),
               "write_kv: CPU tensors only");
   TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
-                  kv_cache.scalar_type() == at::kFloat,
-              "write_kv: k, v and kv_cache must be float32");
+                  is_kv_cache_dtype(kv_cache.scalar_type()),
+              "write_kv: k and v must be float32 and kv_cache float32, bfloat16 or float16");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
                   slot_mapping.is_contiguous(),
               "write_kv: slot_mapping must be contiguous int64 [tokens]");
@@ -393,13 +460,20 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kv_
     TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "write_kv: slot_mapping[", t, "] = ", slot[t],
                 " is outside the cache's ", slots, " slots");
   const int64_t row = kv_heads * dim;
-  float* kc = kv_cache.data_ptr<float>();
-  float* vc = kc + kv_cache.stride(0);
   const float* kd = k.data_ptr<float>();
   const float* vd = v.data_ptr<float>();
-  for (int64_t t = 0; t < tokens; ++t) {
-    std::memcpy(kc + slot[t] * row, kd + t * k.stride(0), row * sizeof(float));
-    std::memcpy(vc + slot[t] * row, vd + t * v.stride(0), row * sizeof(float));
+  const auto run = [&](auto* kc) {
+    write_rows(kd, k.stride(0), vd, v.stride(0), kc, kc + kv_cache.stride(0), slot, tokens, row);
+  };
+  switch (kv_cache.scalar_type()) {
+    case at::kBFloat16:
+      run(kv_cache.data_ptr<c10::BFloat16>());
+      break;
+    case at::kHalf:
+      run(kv_cache.data_ptr<c10::Half>());
+      break;
+    default:
+      run(kv_cache.data_ptr<float>());
   }
 }
 

@@ -303,9 +303,10 @@ def test_backend_not_told_the_model_dtype_plans_for_the_queries() -> None:
 # ---- SmolLM2 ------------------------------------------------------------------------------
 
 
-SMOLLM2_BOUNDS = {"bfloat16": 0.015, "float16": 0.0016}
-"""Relative logit error bounds of SmolLM2 over README.md: 3x the measured 0.0051 and
-0.00054 (max |dlogit| 0.22 and 0.024 against logits up to 44)."""
+SMOLLM2_BOUNDS = {"bfloat16": 0.015, "float16": 0.0025}
+"""Relative logit error bounds of SmolLM2 over README.md: 3x the largest measured, 0.0042-
+0.0051 and 0.00054-0.00081 (max |dlogit| up to 0.22 and 0.034 against logits up to 44;
+the spread is the thread count's summation order)."""
 
 
 @pytest.mark.slow

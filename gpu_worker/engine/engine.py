@@ -33,7 +33,7 @@ import torch
 
 from gpu_worker.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from gpu_worker.core.kv_cache import KVCacheManager
-from gpu_worker.core.scheduler import ScheduledSequence, Scheduler
+from gpu_worker.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from gpu_worker.core.sequence import FinishReason, Sequence
 from gpu_worker.distributed.group import TPGroup
 from gpu_worker.engine.draft_model import DraftTarget, build_draft_drafter
@@ -46,6 +46,7 @@ from gpu_worker.lora.layers import LoRAState
 from gpu_worker.lora.manager import LoRAConflictError, LoRARegistry
 from gpu_worker.lora.paths import InvalidLoRAError, LoRAError
 from gpu_worker.runner.device import resolve_device
+from gpu_worker.runner.model_runner import RunnerOutput
 from gpu_worker.sampling.prompt_logprobs import record_prompt_logprobs, score_prompt_rows
 from gpu_worker.sampling.sampler import Sampler, SamplerOutput, new_sampler_state
 from gpu_worker.sampling.structured import RequestMatcher, StructuredOutputs
@@ -147,6 +148,8 @@ class Engine:
             # Before the runner: the KV cache is sized with the slots already allocated.
             lora = self._build_lora(rank)
             self.runner = build_runner(config, rank, group, post_forward, lora)
+        if self._tp is not None:
+            self._tp.started()
         self.lora: LoRARegistry | None = None if lora is None else lora[0]
         """The registered adapters; None when LoRA is off."""
         speculative = config.speculative()
@@ -351,23 +354,15 @@ class Engine:
         output = self.scheduler.schedule()
         self.last_step_tokens = output.num_batched_tokens
         self.sampler.release(output.finished_request_ids)
-        if self._tp is not None:
-            # The followers release with the next step they run, whichever step that is.
-            self._tp_released.extend(output.finished_request_ids)
-            if output.is_empty:
+        # Under TP the forward and the prompt scoring's gathers are collectives: rank 0's
+        # idle messages to its followers wait for them.
+        with self._tp.leading() if self._tp is not None else contextlib.nullcontext():
+            run = self._forward(output)
+            if run is None:
                 return []
-            released, self._tp_released = self._tp_released, []
-            run = self._tp.step(self.runner, output.scheduled, released, self.lora)
-        else:
-            # Before this step's rows are laid out: an id that left may be back as a new
-            # request.
-            self.runner.release(output.finished_request_ids)
-            if output.is_empty:
-                return []
-            run = self.runner.execute(output.scheduled)
+            if run.prompt_hidden is not None:
+                self._score_prompts(output.scheduled, run.prompt_hidden)
         logits = run.logits
-        if run.prompt_hidden is not None:
-            self._score_prompts(output.scheduled, run.prompt_hidden)
         sampling_items = [item for item in output.scheduled if item.will_sample]
         plain_items, sampled, result, verified = self._sample(logits, sampling_items)
         num_before = {item.seq.request_id: item.seq.num_output_tokens for item in sampling_items}
@@ -386,6 +381,21 @@ class Engine:
         if self.speculator is not None:
             logprobs.update(self._speculation_kept(changed, num_new, output.scheduled, start))
         return [self._delta(seq, num_new[seq.request_id], logprobs, errors) for seq in changed]
+
+    def _forward(self, output: SchedulerOutput) -> RunnerOutput | None:
+        """Release what finished and run the scheduled batch; None when nothing is."""
+        if self._tp is not None:
+            # The followers release with the next step they run, whichever step that is.
+            self._tp_released.extend(output.finished_request_ids)
+            if output.is_empty:
+                return None
+            released, self._tp_released = self._tp_released, []
+            return self._tp.step(self.runner, output.scheduled, released, self.lora)
+        # Before this step's rows are laid out: an id that left may be back as a new request.
+        self.runner.release(output.finished_request_ids)
+        if output.is_empty:
+            return None
+        return self.runner.execute(output.scheduled)
 
     def _sample(
         self, logits: torch.Tensor, items: list[ScheduledSequence]

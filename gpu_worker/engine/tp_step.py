@@ -17,6 +17,11 @@ carries each sequence's slot and what changed in rank 0's registry since the las
 (`LoRASync`: the adapters unregistered, the slots filled and from which path); a
 follower's `LoRAMirror` repeats the changes on its own slots before it runs the step.
 
+Between steps a follower waits in the host group's broadcast, which fails once the group
+timeout passes with nothing sent: an idle engine would lose its followers. `IdleKeepAlive`
+sends them an empty message whenever rank 0 has sent nothing for a while; a follower
+takes it and goes on waiting.
+
 Over a world of 1, `lead_step` is `prepare` plus `execute_host`: nothing is encoded.
 
 The wire is data only (msgspec, typed decoding): arrays travel as bytes with their dtype
@@ -25,6 +30,11 @@ and shape, and decoding checks that the bytes fill the shape.
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -39,6 +49,8 @@ from gpu_worker.lora.manager import LoRAMirror, LoRARegistry, LoRASync
 from gpu_worker.runner.block_table import BlockTableStep
 from gpu_worker.runner.model_runner import HostBatch, ModelRunner, RunnerOutput
 from gpu_worker.sampling.prompt_logprobs import follow_prompt_scoring
+
+logger = logging.getLogger(__name__)
 
 WireDType = Literal["int64", "int32"]
 
@@ -223,7 +235,13 @@ def follower_loop(runner: ModelRunner, group: TPGroup, lora: LoRAMirror | None =
     if group.is_driver:
         raise ValueError("rank 0 leads the steps; only the other ranks follow")
     num_steps = 0
-    while (step := decode_step(broadcast_step(group, None))) is not None:
+    while True:
+        payload = broadcast_step(group, None)
+        if not payload:  # rank 0 is idle (`IdleKeepAlive`): wait again
+            continue
+        step = decode_step(payload)
+        if step is None:
+            break
         runner.release(step.released)
         if step.lora is not None:
             if lora is None:
@@ -234,3 +252,48 @@ def follower_loop(runner: ModelRunner, group: TPGroup, lora: LoRAMirror | None =
             follow_prompt_scoring(output.prompt_hidden, runner.compute_logits)
         num_steps += 1
     return num_steps
+
+
+class IdleKeepAlive:
+    """Rank 0's messages to idle followers: a thread that broadcasts an empty payload when
+    rank 0 has sent nothing for `interval_s` (a fraction of the group timeout), so the
+    follower's wait for the next step never reaches that timeout. Rank 0 sends its own
+    steps inside `sending()`, which holds the thread off: the host group carries one
+    message at a time, in order."""
+
+    def __init__(self, group: TPGroup, interval_s: float) -> None:
+        self.group = group
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._last_sent = time.monotonic()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tp-keep-alive", daemon=True)
+        if group.world_size > 1:
+            self._thread.start()
+
+    @contextmanager
+    def sending(self) -> Iterator[None]:
+        """Rank 0 sends a step (or the stop message) meanwhile."""
+        with self._lock:
+            try:
+                yield
+            finally:
+                self._last_sent = time.monotonic()
+
+    def stop(self) -> None:
+        """End the thread (idempotent); rank 0 sends nothing more through it."""
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.interval_s / 2):
+            with self._lock:
+                if self._stopped.is_set() or time.monotonic() - self._last_sent < self.interval_s:
+                    continue
+                try:
+                    broadcast_step(self.group, b"")
+                except Exception as exc:  # a dead rank: rank 0's next step reports it
+                    logger.warning("could not reach every follower while idle: %s", exc)
+                    return
+                self._last_sent = time.monotonic()

@@ -14,6 +14,7 @@ times out (`dist_timeout_s`): joining cannot be interrupted.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -32,7 +33,7 @@ from gpu_worker.core.scheduler import ScheduledSequence
 from gpu_worker.distributed.group import TPConfig, TPGroup, init_tp_group, rank_device
 from gpu_worker.engine.profile_sampling import follow_profile_scoring
 from gpu_worker.engine.rank import attach_lora_slots, build_runner, load_rank_model
-from gpu_worker.engine.tp_step import follower_loop, lead_step, stop_followers
+from gpu_worker.engine.tp_step import IdleKeepAlive, follower_loop, lead_step, stop_followers
 from gpu_worker.lora.manager import LoRAMirror, LoRARegistry
 from gpu_worker.runner.device import resolve_device
 from gpu_worker.runner.model_runner import ModelRunner, RunnerOutput
@@ -45,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 STOP_WAIT_S = 10.0
 """How long rank 0 waits for a stopped follower to exit before killing it."""
+
+KEEP_ALIVE_FRACTION = 0.25
+"""An idle rank 0 messages its followers at least this often, in group timeouts."""
 
 
 class TPRankFailed(RuntimeError):
@@ -137,6 +141,8 @@ class TPLeader:
         self.errors: ErrorQueue = ctx.Queue()
         self.processes = _spawn(config, tp_config, range(1, per_node), self.errors)
         self._group: TPGroup | None = None
+        self._keep_alive: IdleKeepAlive | None = None
+        self._timeout_s = tp_config.timeout_s
         with self.starting():
             device = rank_device(resolve_device(config.device).type, 0)
             self._group = init_tp_group(tp_config, device)
@@ -162,6 +168,17 @@ class TPLeader:
                 raise TPRankFailed(f"at start-up: {failure}") from exc
             raise
 
+    def started(self) -> None:
+        """Every rank has built its runner and waits for steps: from now on an idle rank 0
+        keeps its followers waiting (`IdleKeepAlive`)."""
+        if self._keep_alive is None:
+            self._keep_alive = IdleKeepAlive(self.group, self._timeout_s * KEEP_ALIVE_FRACTION)
+
+    def leading(self) -> contextlib.AbstractContextManager[None]:
+        """Rank 0 runs collectives with its followers meanwhile (a step, and the gathers
+        that score its prompts): no idle message goes out between them."""
+        return contextlib.nullcontext() if self._keep_alive is None else self._keep_alive.sending()
+
     def step(
         self,
         runner: ModelRunner,
@@ -169,7 +186,8 @@ class TPLeader:
         released: list[str],
         lora: LoRARegistry | None = None,
     ) -> RunnerOutput:
-        """`lead_step` over the group; a rank that died makes it raise `TPRankFailed`."""
+        """`lead_step` over the group, inside `leading()`; a rank that died makes it raise
+        `TPRankFailed`."""
         try:
             return lead_step(runner, self.group, scheduled, released, lora)
         except Exception as exc:
@@ -191,6 +209,8 @@ class TPLeader:
     def close(self) -> None:
         """Stop the followers (idempotent): the stop message, then a kill for any rank
         still running after `STOP_WAIT_S`; then leave the group."""
+        if self._keep_alive is not None:
+            self._keep_alive.stop()
         group, self._group = self._group, None
         if group is not None:
             try:

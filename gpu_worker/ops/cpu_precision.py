@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker.core.config import CPU_PRECISIONS
 from gpu_worker.ops.linear import Linear, prepack
 
 logger = logging.getLogger(__name__)
@@ -57,11 +56,10 @@ def fast_linears(model: torch.nn.Module) -> int:
 
 
 def wants_fast(precision: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a model on `device` in `dtype` runs fast: asked for, an fp32 CPU model, and
-    a CPU with bf16 instructions (a warning says why not otherwise)."""
-    if precision not in CPU_PRECISIONS:
-        raise ValueError(f"--cpu-precision {precision}: use one of {', '.join(CPU_PRECISIONS)}")
-    if precision == "exact" or device.type != "cpu" or dtype != torch.float32:
+    """Whether a model on `device` in `dtype` runs fast: asked for (`precision`, checked by
+    EngineConfig), an fp32 CPU model, and a CPU with bf16 instructions (a warning says why
+    not otherwise)."""
+    if precision != "fast" or device.type != "cpu" or dtype != torch.float32:
         return False
     if not bf16_instructions():
         logger.warning(

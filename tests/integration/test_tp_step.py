@@ -10,15 +10,18 @@ requires them bitwise equal.
 
 from __future__ import annotations
 
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 from gpu_worker.distributed.comm import all_reduce_, gather_to_rank0
 from gpu_worker.distributed.group import TPGroup
-from gpu_worker.engine.tp_step import follower_loop, lead_step, stop_followers
+from gpu_worker.engine.tp_step import IdleKeepAlive, follower_loop, lead_step, stop_followers
 from gpu_worker.runner.kv_caches import allocate_kv_caches
 from gpu_worker.runner.model_runner import HostBatch, ModelRunner, RunnerOutput
 from tests.integration.test_tp_collectives import run_ranks
@@ -84,3 +87,27 @@ def check_lead_and_follow(group: TPGroup) -> None:
 @pytest.mark.timeout(90)
 def test_followers_run_the_leaders_steps(tmp_path: Path) -> None:
     run_ranks(check_lead_and_follow, tmp_path, timeout_s=30.0, wall_s=75.0)
+
+
+IDLE_TIMEOUT_S = 1.0
+
+
+def check_idle_followers_keep_waiting(group: TPGroup) -> None:
+    # A host group whose collectives time out after IDLE_TIMEOUT_S; the group it comes from
+    # has a long timeout, so both ranks' start-ups cannot trip it.
+    short = dist.new_group(backend="gloo", timeout=timedelta(seconds=IDLE_TIMEOUT_S))
+    idle = TPGroup(group.rank, group.world_size, group.device, "gloo", short, short)
+    if not idle.is_driver:
+        assert follower_loop(ComparingRunner(idle), idle) == 0
+        return
+    keep_alive = IdleKeepAlive(idle, interval_s=IDLE_TIMEOUT_S / 4)
+    time.sleep(4 * IDLE_TIMEOUT_S)  # idle: no request for four group timeouts
+    keep_alive.stop()
+    with keep_alive.sending():
+        stop_followers(idle)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_an_idle_leader_keeps_its_followers_waiting(tmp_path: Path) -> None:
+    run_ranks(check_idle_followers_keep_waiting, tmp_path, timeout_s=30.0, wall_s=45.0)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker import Engine
+from gpu_worker.core.config import EngineConfig
 from gpu_worker.ops import cpu_precision
 from gpu_worker.ops.cpu_precision import (
     bf16_copy,
@@ -52,7 +53,7 @@ def test_fast_is_asked_for_and_needs_an_fp32_cpu_model_and_bf16_instructions(
     assert not wants_fast("fast", CPU, torch.bfloat16)  # already bf16: nothing to speed up
     assert not wants_fast("fast", torch.device("cuda"), torch.float32)
     with pytest.raises(ValueError, match="--cpu-precision quick"):
-        wants_fast("quick", CPU, torch.float32)
+        EngineConfig(cpu_precision="quick")  # type: ignore[arg-type]
     monkeypatch.setattr(cpu_precision, "bf16_instructions", lambda: False)
     with caplog.at_level(logging.WARNING):
         assert not wants_fast("fast", CPU, torch.float32)

@@ -64,6 +64,17 @@ constexpr int64_t kTileRows = 16;
 #endif
 constexpr int64_t kPrefetchBytes = DUET_PREFETCH_BYTES;
 
+// Tiles per parallel task: enough that a task reads ~256 KiB of weights or does ~1M
+// multiply-adds, whichever comes first. Below both, the fork/join costs more than a second
+// thread saves; a batch of rows makes even a small weight worth splitting (an o projection
+// of 576 x 576 at 32 rows is 10M multiply-adds, which ran on one thread under the bytes
+// rule alone). Each output is still computed by one task, so the values do not change.
+int64_t task_grain(int64_t tile_bytes, int64_t tile_macs) {
+  const int64_t by_bytes = (256 << 10) / std::max<int64_t>(1, tile_bytes);
+  const int64_t by_macs = (1 << 20) / std::max<int64_t>(1, tile_macs);
+  return std::max<int64_t>(1, std::min(by_bytes, by_macs));
+}
+
 template <int QT>
 struct Format {
   static constexpr bool k_quant = QT == kQ4_K || QT == kQ5_K || QT == kQ6_K;
@@ -499,7 +510,7 @@ void gemm_outer(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
   for (int64_t k = 0; k < K; ++k)
     for (int64_t m = 0; m < M; ++m) xt[k * mp + m] = x[m * K + k];
   const int64_t tiles = (N + kOuterRows - 1) / kOuterRows;
-  const int64_t grain = std::max<int64_t>(1, (256 << 10) / (kOuterRows * row_bytes));
+  const int64_t grain = task_grain(kOuterRows * row_bytes, kOuterRows * K * M);
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     std::vector<float> scales(kOuterRows * per_row);
     for (int64_t t = t0; t < t1; ++t) {
@@ -529,9 +540,7 @@ void gemm_typed(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
 #endif
   const int64_t per_row = K / kBlock * Format<QT>::params;
   const int64_t tiles = (N + kTileRows - 1) / kTileRows;
-  // Split only where each task gets at least ~256 KiB of weights: below that the fork/join
-  // costs more than a second thread saves.
-  const int64_t grain = std::max<int64_t>(1, (256 << 10) / (kTileRows * row_bytes));
+  const int64_t grain = task_grain(kTileRows * row_bytes, kTileRows * K * M);
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     std::vector<float> scales(kTileRows * per_row);
     const int64_t n_end = std::min(N, t1 * kTileRows);

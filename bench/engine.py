@@ -332,10 +332,10 @@ def _case_label(dtype: str, concurrency: int, case: Workload) -> str:
 
 def run_dtype(
     args: argparse.Namespace, dtype: str, work: Workload, source: ModelSource
-) -> list[str]:
-    """Every case for one dtype, as table rows."""
+) -> list[tuple[str, Comparison]]:
+    """Every case for one dtype: its label and both systems' clocks."""
     hf = load_hf(source, getattr(torch, dtype))
-    rows: list[str] = []
+    rows: list[tuple[str, Comparison]] = []
     concurrencies = list(args.concurrency)
     if 1 not in concurrencies:
         concurrencies.append(0)  # an engine for the single-stream case only
@@ -355,15 +355,30 @@ def run_dtype(
                     f"({outside:.1%} outside the forward)",
                     flush=True,
                 )
-            label = _case_label(dtype, concurrency, case)
-            rows.append(result.row(label))
+            rows.append((_case_label(dtype, concurrency, case), result))
         if concurrency <= 1:
             n = args.single_stream_tokens
             label = f"{dtype}, single-stream decode, {n} tokens"
-            rows.append(single_stream(args, engine, timer, hf, work.prompts[0]).row(label))
+            rows.append((label, single_stream(args, engine, timer, hf, work.prompts[0])))
         del engine, timer
         gc.collect()
     return rows
+
+
+def thread_scaling(
+    counts: list[int], by_threads: dict[int | None, list[tuple[str, Comparison]]]
+) -> list[str]:
+    """Each case's tok/s at the last thread count over the first, per system (wall)."""
+    first, last = counts[0], counts[-1]
+    table = [
+        f"| case | transformers {last} / {first} threads | duet {last} / {first} threads |",
+        "|---|---:|---:|",
+    ]
+    for (label, low), (_, high) in zip(by_threads[first], by_threads[last], strict=True):
+        theirs = high.rate(high.theirs) / low.rate(low.theirs)
+        ours = high.rate(high.ours) / low.rate(low.ours)
+        table.append(f"| {label} | {theirs:.2f}x | **{ours:.2f}x** |")
+    return table
 
 
 def collective_of(event: Any, on_cuda: bool) -> str | None:
@@ -726,6 +741,14 @@ def main() -> None:
         "--threads", type=int, default=None, help="torch threads for both (per rank at TP > 1)"
     )
     parser.add_argument(
+        "--thread-counts",
+        type=int,
+        nargs="+",
+        default=None,
+        help="instead of --threads: every case at each count in turn, and each system's "
+        "speedup from the first count to the last",
+    )
+    parser.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
@@ -792,13 +815,25 @@ def main() -> None:
         tp_rows = [row for dtype in args.dtypes for row in run_tp_dtype(args, dtype, work)]
         write_tp_section(args, work, tp_rows, load_at_start)
         return
-    rows = [row for dtype in args.dtypes for row in run_dtype(args, dtype, work, source)]
+    by_threads: dict[int | None, list[tuple[str, Comparison]]] = {}
+    for threads in args.thread_counts or [args.threads]:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        by_threads[threads] = [
+            row for dtype in args.dtypes for row in run_dtype(args, dtype, work, source)
+        ]
     table = [
         "| case | transformers tok/s | duet tok/s | duet / transformers (wall) "
         "| duet / transformers (CPU time) | duet time outside the forward |",
         "|---|---:|---:|---:|---:|---:|",
-        *rows,
+        *(
+            result.row(label if args.thread_counts is None else f"{threads} thr, {label}")
+            for threads, rows in by_threads.items()
+            for label, result in rows
+        ),
     ]
+    if args.thread_counts is not None and len(args.thread_counts) > 1:
+        table += ["", *thread_scaling(args.thread_counts, by_threads)]
     print("\n".join(table))
     if args.no_write:
         return

@@ -20,6 +20,7 @@ What differs is what a step does after the forward (`post_forward` of the profil
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 
 import torch
@@ -56,6 +57,8 @@ from gpu_worker.runner.profiling import (
 )
 from shared.model_source import ModelSource
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class RankModel:
@@ -91,7 +94,8 @@ def load_rank_model(config: EngineConfig, source: ModelSource, group: TPGroup) -
         tp_group=group if group.world_size > 1 else None,
     )
     if wants_fast(config.cpu_precision, device, dtype):
-        model.attach_fast_copies()
+        count = model.attach_fast_copies()
+        logger.info("--cpu-precision fast: %d weights multiply in bf16", count)
     heads = local_heads(mc.num_heads, mc.num_kv_heads, group.world_size, group.rank)
     local = replace(mc, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads)
     return RankModel(model, mc, local, attn_backend, backend_name, device, dtype, kv_cache_dtype)

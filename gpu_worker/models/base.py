@@ -55,6 +55,8 @@ class CausalLM(nn.Module, ABC):
     def attach_quantized(self, weights: Mapping[str, QuantizedWeight]) -> None:
         """Use a GGUF file's quantized blocks where the family supports them (none here)."""
 
-    def attach_fast_copies(self) -> None:
+    def attach_fast_copies(self) -> int:
         """--cpu-precision fast: bf16 copies of the projections and the LM head, where the
-        family supports them (none here; `gpu_worker.ops.cpu_precision`)."""
+        family supports them (none here; `gpu_worker.ops.cpu_precision`). Returns the number
+        of weights that got one."""
+        return 0

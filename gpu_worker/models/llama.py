@@ -360,6 +360,6 @@ class LlamaForCausalLM(CausalLM):
         head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
         self.logits_head.attach(weights.get(head_name), self.head_weight())
 
-    def attach_fast_copies(self) -> None:
-        fast_linears(self)
+    def attach_fast_copies(self) -> int:
         self.logits_head.fast_weight = bf16_copy(self.head_weight())
+        return fast_linears(self) + (self.logits_head.fast_weight is not None)

@@ -1,5 +1,5 @@
-"""CPU fp32 kernels for the decode step: paged decode attention, the KV-cache write and
-RMSNorm (`csrc/cpu_ops.cpp`). The KV cache may be fp32, bf16 or fp16 (--kv-cache-dtype):
+"""CPU fp32 kernels for the decode step: paged decode attention, the KV-cache write,
+RMSNorm and rotary (`csrc/cpu_ops.cpp`). The KV cache may be fp32, bf16 or fp16 (--kv-cache-dtype):
 the write rounds fp32 keys and values to it as torch's `.to()` does, and attention widens
 what it reads back to fp32 (exactly: every 16-bit value is an fp32 one).
 
@@ -100,3 +100,25 @@ def add_rms_norm(
     of the same shape."""
     out, new_residual = _extension().add_rms_norm(x, residual, weight, float(eps))
     return out, new_residual
+
+
+def rotatable(qk: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether `rotate_qk` takes `qk` [tokens, heads, head_dim] with tables like `cos`: fp32
+    on CPU, each token's heads contiguous (a view into qkv is), the tables spanning the
+    whole head."""
+    return (
+        available(qk)
+        and qk.dim() == 3
+        and qk.stride(2) == 1
+        and qk.stride(1) == qk.shape[2]
+        and cos.dtype == torch.float32
+        and cos.is_contiguous()
+        and cos.numel() == qk.shape[0] * qk.shape[2]
+    )
+
+
+def rotate_qk(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of every head of `qk`: `qk * cos + roll(qk, head_dim / 2) * sin` with
+    `cos`/`sin` [tokens, 1, head_dim] (sin's first half negated, as `apply_rotary` takes
+    it), bit for bit `apply_rotary`'s values, into a new contiguous tensor."""
+    return _extension().rotate_qk(qk, cos, sin)

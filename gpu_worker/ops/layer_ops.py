@@ -154,7 +154,10 @@ class TorchLayerOps:
         self, qk: torch.Tensor, num_q_heads: int, tables: RotaryTables
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # q and k rotate in one go: one op each over all heads.
-        out = apply_rotary(qk, tables.cos, tables.sin)
+        if cpu_ops.rotatable(qk, tables.cos):
+            out = cpu_ops.rotate_qk(qk, tables.cos, tables.sin)
+        else:
+            out = apply_rotary(qk, tables.cos, tables.sin)
         q, k = out.split([num_q_heads, qk.shape[1] - num_q_heads], dim=1)
         return q, k
 

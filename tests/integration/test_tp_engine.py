@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from gpu_worker.core.config import EngineConfig
-from gpu_worker.core.scheduler import Scheduler
 from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.tp_worker import TPRankFailed, resolve_tp_config
 from gpu_worker.loader import load_config
 from gpu_worker.runner.kv_caches import kv_cache_bytes_per_block
 from shared.model_source import resolve_model
 from shared.sampling import SamplingParams
+from tests.helpers.preemption import count_preemptions
 from tests.helpers.processes import free_port
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -67,14 +67,7 @@ def test_tiny_qwen3_tp2_under_preemption_equals_tp1(
 ) -> None:
     """8 blocks of 16 for 6 sequences of ~3 blocks each: rank 0 preempts and recomputes,
     and every rank's cache follows its block ids. The scheduler runs in this process."""
-    preemptions: list[str] = []
-    preempt = Scheduler._preempt
-
-    def counting_preempt(scheduler: Scheduler, seq: Any) -> None:
-        preemptions.append(seq.request_id)
-        preempt(scheduler, seq)
-
-    monkeypatch.setattr(Scheduler, "_preempt", counting_preempt)
+    preemptions = count_preemptions(monkeypatch)
     config = load_config(resolve_model(str(tiny_qwen3)))
     prompts = [[(7 * i + j) % 200 + 3 for j in range(20 + i)] for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -17,6 +17,7 @@ from gpu_worker.attention import torch_backend as attention
 from gpu_worker.attention.metadata import AttentionMetadata, build_attention_metadata
 from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from gpu_worker.ops import cpu_ops
+from gpu_worker.ops.layer_ops import apply_rotary
 
 BLOCK = 16
 CACHE_DTYPES = [
@@ -252,6 +253,39 @@ def test_rms_norm_rejects_bad_input(ext: ModuleType) -> None:
         cpu_ops.rms_norm(x.t(), torch.randn(4), 1e-5)
     with pytest.raises(RuntimeError, match="residual"):
         cpu_ops.add_rms_norm(x, torch.randn(4, 32), torch.randn(64), 1e-5)
+
+
+@pytest.mark.parametrize(("tokens", "heads", "dim"), [(1, 12, 64), (37, 6, 128), (3000, 4, 32)])
+def test_rotate_qk_is_apply_rotary_to_the_bit(
+    ext: ModuleType, tokens: int, heads: int, dim: int
+) -> None:
+    """On q and k as the attention layer takes them (a view into the fused qkv rows), with
+    tables gathered as `rotary_tables` gathers them; 3000 tokens split over threads."""
+    generator = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (heads + 2) * dim, generator=generator) * 4
+    qk = qkv[:, : heads * dim].view(tokens, heads, dim)
+    positions = torch.randint(0, 4096, (tokens,), generator=generator)
+    angles = torch.rand(4096, dim, generator=generator) * 100
+    cos = angles.cos().index_select(0, positions)[:, None, :]
+    sin = angles.sin().index_select(0, positions)[:, None, :]
+    assert cpu_ops.rotatable(qk, cos)
+    want = apply_rotary(qk, cos, sin)
+    assert torch.equal(cpu_ops.rotate_qk(qk, cos, sin), want)
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(cpu_ops.rotate_qk(qk, cos, sin), want)
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_rotate_qk_takes_whole_heads_only(ext: ModuleType) -> None:
+    qkv = torch.randn(5, 4 * 64)
+    partial = qkv[:, : 3 * 64].view(5, 3, 64)[..., :32]  # Phi-3's partial rotary
+    cos = torch.randn(5, 1, 32)
+    assert not cpu_ops.rotatable(partial, cos)
+    assert not cpu_ops.rotatable(qkv[:, : 3 * 64].view(5, 3, 64), torch.randn(5, 1, 32))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        cpu_ops.rotate_qk(partial, cos, cos)
 
 
 def test_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:

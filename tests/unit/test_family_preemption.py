@@ -14,11 +14,11 @@ import torch
 import transformers
 
 from gpu_worker import Engine
-from gpu_worker.core.scheduler import Scheduler
 from gpu_worker.loader import load_config
 from gpu_worker.runner.kv_caches import kv_cache_bytes_per_block
 from shared.model_source import resolve_model
 from shared.sampling import SamplingParams
+from tests.helpers.preemption import count_preemptions
 from tests.helpers.tiny_models import Family, save_tiny_model, save_tiny_tokenizer
 from tests.unit.test_gemma_model import CONFIGS as GEMMA
 from tests.unit.test_llama_model import _prompt
@@ -66,14 +66,7 @@ def test_preempted_sequences_keep_transformers_tokens(
     per_block = kv_cache_bytes_per_block(
         config.num_layers, BLOCK_SIZE, config.num_kv_heads, config.head_dim, torch.float32
     )
-    preemptions: list[str] = []
-    preempt = Scheduler._preempt
-
-    def counting_preempt(scheduler: Scheduler, seq: Any) -> None:
-        preemptions.append(seq.request_id)
-        preempt(scheduler, seq)
-
-    monkeypatch.setattr(Scheduler, "_preempt", counting_preempt)
+    preemptions = count_preemptions(monkeypatch)
     engine = Engine(
         model=str(tmp_path),
         device="cpu",

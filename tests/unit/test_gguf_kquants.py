@@ -17,6 +17,7 @@ import torch
 
 from gpu_worker.ops.gguf_linear import SUPPORTED_TYPES, QuantizedWeight
 from gpu_worker.ops.linear import Linear
+from tests.helpers.gemm_check import check_gemm_against_float64
 from tests.helpers.kquants import K_QUANTS, one_type, q4_k_m_type, quantize, write_llama_gguf
 from tests.helpers.tiny_models import tiny_hf_model
 
@@ -132,21 +133,8 @@ def test_gemm_matches_float64_reference(ext: ModuleType, qtype: Q, vector: bool)
             _blocks_of(qtype, _weights(n, k, seed=n + k)), qtype, n, k
         )
         dense = torch.from_numpy(reference).double()
-        bias = torch.randn(n, generator=gen)
-        for m in (1, 2, 7, 8, 9, 16, 17, 33, 50, 96):
-            x = torch.randn(m, k, generator=gen)
-            for b in (None, bias):
-                y = ext.gemm(x, quantized.data, quantized.qtype, b, vector)
-                expected = x.double() @ dense.T + (0 if b is None else b.double())
-                # fp32 rounding of a sum of k products accumulated in order: at most k
-                # ulps of the sum of |products| (and of |bias|); a wrong weight or row is
-                # off by far more.
-                scale = x.double().abs() @ dense.abs().T + (0 if b is None else b.abs().double())
-                err = (y.double() - expected).abs()
-                assert y.dtype == torch.float32
-                assert y.shape == (m, n)
-                bound = (k + 1) * 2.0**-24 * scale + 1e-30
-                assert bool((err <= bound).all()), (n, k, m, float(err.max()))
+        rows = (1, 2, 7, 8, 9, 16, 17, 33, 50, 96)
+        check_gemm_against_float64(ext, quantized, dense, rows, gen, vector)
 
 
 def test_kernel_refuses_k_quant_rows_not_of_whole_superblocks(ext: ModuleType) -> None:

@@ -22,6 +22,7 @@ from gpu_worker.ops.gguf_linear import (
     quantized_kernels_available,
 )
 from gpu_worker.ops.linear import Linear
+from tests.helpers.gemm_check import check_gemm_against_float64
 
 # The per-32 types gguf can quantize; the K-quants (rows of 256) are in test_gguf_kquants.py.
 QTYPES = [
@@ -87,21 +88,8 @@ def test_gemm_matches_float64_reference(
     for n, k in [(3, 32), (37, 96), (100, 576), (1000, 64)]:
         quantized, reference = _quantize(_weights(n, k, seed=n + k), qtype)
         dense = torch.from_numpy(reference).double()
-        bias = torch.randn(n, generator=gen)
-        for m in (1, 2, 3, 7, 8, 9, 20, 32, 33, 50):
-            x = torch.randn(m, k, generator=gen)
-            for b in (None, bias):
-                y = ext.gemm(x, quantized.data, quantized.qtype, b, vector)
-                expected = x.double() @ dense.T + (0 if b is None else b.double())
-                # fp32 rounding of a sum of k products accumulated in order (the
-                # outer-product path, like a BLAS micro-kernel): at most k ulps of the sum
-                # of |products| (and of |bias|); a wrong weight or row is off by far more.
-                scale = x.double().abs() @ dense.abs().T + (0 if b is None else b.abs().double())
-                err = (y.double() - expected).abs()
-                assert y.dtype == torch.float32
-                assert y.shape == (m, n)
-                bound = (k + 1) * 2.0**-24 * scale + 1e-30
-                assert bool((err <= bound).all()), (n, k, m, float(err.max()))
+        rows = (1, 2, 3, 7, 8, 9, 20, 32, 33, 50)
+        check_gemm_against_float64(ext, quantized, dense, rows, gen, vector)
 
 
 def test_linear_dispatch(ext: ModuleType) -> None:

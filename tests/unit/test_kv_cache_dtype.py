@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -23,10 +22,10 @@ from gpu_worker.attention.metadata import build_attention_metadata
 from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from gpu_worker.cli import _engine_config_or_exit, build_parser, config_from_args
 from gpu_worker.core.config import KV_CACHE_DTYPES, EngineConfig
-from gpu_worker.core.scheduler import Scheduler
 from gpu_worker.runner.kv_budget import plan_kv_cache
 from gpu_worker.runner.kv_caches import kv_cache_bytes_per_block, resolve_kv_cache_dtype
 from shared.sampling import SamplingParams
+from tests.helpers.preemption import count_preemptions
 from tests.helpers.tiny_models import save_tiny_model, save_tiny_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -216,14 +215,7 @@ def test_prefix_caching_and_preemption_keep_outputs(
     """Over a 16-bit cache, requests that share a prefix (hits on blocks stored by earlier
     ones) and requests preempted by a cache far too small for them (recomputed) decode what
     each decodes alone in a roomy cache."""
-    preemptions: list[str] = []
-    preempt = Scheduler._preempt
-
-    def counting_preempt(scheduler: Scheduler, seq: Any) -> None:
-        preemptions.append(seq.request_id)
-        preempt(scheduler, seq)
-
-    monkeypatch.setattr(Scheduler, "_preempt", counting_preempt)
+    preemptions = count_preemptions(monkeypatch)
     gen = torch.Generator().manual_seed(7)
     shared = torch.randint(3, 256, (70,), generator=gen).tolist()
     prompts = [shared + torch.randint(3, 256, (9 + i,), generator=gen).tolist() for i in range(6)]

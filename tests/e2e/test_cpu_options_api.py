@@ -21,11 +21,11 @@ import pytest
 from gpu_worker import Engine
 from gpu_worker.ops.cpu_precision import bf16_instructions
 from shared.sampling import SamplingParams
+from tests.e2e.conftest import start_render
 from tests.helpers.processes import (
     ServerProcess,
     WorkerProcess,
     spawn_worker,
-    start_render,
     stop_server,
     stop_worker,
     wait_worker_ready,
@@ -47,7 +47,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPro
     base = tmp_path_factory.mktemp("cpu_options")
     log = base / "worker.log"
     args = [arg for key, value in OPTIONS.items() for arg in (f"--{key.replace('_', '-')}", value)]
-    process = spawn_worker(log, args)
+    process = spawn_worker(log, [*args, "--log-level", "info"])  # the start-up lines
     worker = wait_worker_ready(process, log, time.monotonic() + STARTUP_S)
     try:
         render = start_render([worker.address], base / "render.log")

@@ -1,4 +1,5 @@
-"""Fixtures shared by unit tests: duet's CPU kernels, one thread, a tiny random Llama."""
+"""Fixtures shared by unit tests: duet's CPU kernels, one thread, a tiny random Llama, and
+engines on it with and without speculation."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from types import ModuleType
 import pytest
 import torch
 
+from gpu_worker import Engine
 from gpu_worker.ops.gguf_linear import load_extension
+from tests.helpers.spec_engines import METHODS, spec_engine
 from tests.helpers.tiny_models import save_tiny_model, save_tiny_tokenizer
 
 
@@ -40,3 +43,15 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     save_tiny_tokenizer(out_dir, hf.config.vocab_size)
     return out_dir
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir: Path) -> Engine:
+    """The tiny Llama decoding without speculation."""
+    return spec_engine(tiny_llama_dir, None)
+
+
+@pytest.fixture(scope="module", params=sorted(METHODS))
+def spec(request: pytest.FixtureRequest, tiny_llama_dir: Path) -> Engine:
+    """The tiny Llama speculating by each method in turn (tests/helpers/spec_engines.METHODS)."""
+    return spec_engine(tiny_llama_dir, METHODS[request.param])

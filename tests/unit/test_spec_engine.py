@@ -17,28 +17,7 @@ from gpu_worker.core.config import EngineConfig
 from gpu_worker.sampling.target import target_probs
 from shared.protocol import Generate, RequestDelta
 from shared.sampling import SamplingParams
-
-# A fixed draft length: every draft the drafter has, so that which steps draft does not
-# depend on how fast this machine runs them (the adaptive controller's own tests below).
-NGRAM = (
-    '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
-    '"prompt_lookup_max": 4, "draft_length": "fixed"}'
-)
-SUFFIX = '{"method": "suffix", "num_speculative_tokens": 4, "draft_length": "fixed"}'
-# The target drafting for itself: greedy drafts of the target's own, rejected where a
-# request's sampling or penalties differ from greedy.
-DRAFT_MODEL = (
-    '{"method": "draft_model", "model": "TARGET", "num_speculative_tokens": 4, '
-    '"draft_length": "fixed"}'
-)
-METHODS = {"ngram": NGRAM, "suffix": SUFFIX, "draft_model": DRAFT_MODEL}
-"""Each method's --speculative-config, its draft model's path spelled TARGET."""
-
-
-def for_target(speculative: str, tiny_llama_dir: Path) -> str:
-    """`speculative` with TARGET (a draft model's path) made the target's own."""
-    return speculative.replace('"TARGET"', f'"{tiny_llama_dir}"')
-
+from tests.helpers.spec_engines import METHODS, spec_engine
 
 # Chat-like prompts that repeat themselves, so drafts from the prompt and output get accepted.
 PROMPTS = [
@@ -49,23 +28,6 @@ PROMPTS = [
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
 PENALIZED = SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.3)
-
-
-def _engine(tiny_llama_dir: Path, speculative: str | None, **kwargs: Any) -> Engine:
-    args: dict[str, Any] = {"kv_cache_memory_gb": 0.01, **kwargs}
-    if speculative is not None:
-        args["speculative_config"] = for_target(speculative, tiny_llama_dir)
-    return Engine(model=str(tiny_llama_dir), device="cpu", **args)
-
-
-@pytest.fixture(scope="module")
-def plain(tiny_llama_dir: Path) -> Engine:
-    return _engine(tiny_llama_dir, None)
-
-
-@pytest.fixture(scope="module", params=sorted(METHODS))
-def spec(request: pytest.FixtureRequest, tiny_llama_dir: Path) -> Engine:
-    return _engine(tiny_llama_dir, METHODS[request.param])
 
 
 def _tokens(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[Any]:
@@ -94,7 +56,7 @@ def test_greedy_equals_plain_decoding_batched_with_penalized_requests(
 def test_prefix_cache_hits_on_a_second_run(
     plain: Engine, tiny_llama_dir: Path, method: str
 ) -> None:
-    engine = _engine(tiny_llama_dir, METHODS[method])
+    engine = spec_engine(tiny_llama_dir, METHODS[method])
     want = _tokens(plain, PROMPTS, [GREEDY] * 4)
     assert _tokens(engine, PROMPTS, [GREEDY] * 4) == want
     hits = engine.stats().prefix_cache_hits
@@ -108,7 +70,7 @@ def test_greedy_equals_plain_decoding_under_preemption(
     plain: Engine, tiny_llama_dir: Path, method: str
 ) -> None:
     # 13 blocks of 16 tokens (512 bytes a token) for four sequences of 72-81 tokens.
-    engine = _engine(tiny_llama_dir, METHODS[method], kv_cache_memory_gb=100_000 / 2**30)
+    engine = spec_engine(tiny_llama_dir, METHODS[method], kv_cache_memory_gb=100_000 / 2**30)
     assert engine.kv.num_blocks < 16
     keys = [f"r{i}" for i in range(len(PROMPTS))]
     for key, prompt in zip(keys, PROMPTS, strict=True):
@@ -167,7 +129,7 @@ def test_seeded_sampling_is_reproducible_with_speculation(
 ) -> None:
     runs = []
     for _ in range(2):
-        engine = _engine(tiny_llama_dir, METHODS[method])
+        engine = spec_engine(tiny_llama_dir, METHODS[method])
         runs.append(_tokens(engine, PROMPTS[:3], SEEDED))
         assert engine.stats().spec_num_draft_tokens > 0
     assert runs[0] == runs[1]
@@ -177,7 +139,7 @@ def test_seeded_sampling_is_reproducible_with_speculation(
 def test_seeded_sampling_with_drafts_ignores_the_batch(tiny_llama_dir: Path, method: str) -> None:
     # Suffix drafts also come from other requests' outputs, but a seeded row emits the
     # tokens of its own draws whatever it was shown (spec_decode.verify).
-    engine = _engine(tiny_llama_dir, METHODS[method])
+    engine = spec_engine(tiny_llama_dir, METHODS[method])
     alone = _tokens(engine, PROMPTS[:3], SEEDED)
     batched = _tokens(engine, [PROMPTS[3], *PROMPTS[:3]], [GREEDY, *SEEDED])
     assert batched[1:] == alone
@@ -243,7 +205,7 @@ LAYOUTS = {"chunked_prefill": {"max_num_batched_tokens": 24}, "small_blocks": {"
 def test_greedy_equals_plain_decoding_in_other_layouts(
     plain: Engine, tiny_llama_dir: Path, method: str, layout: str
 ) -> None:
-    engine = _engine(tiny_llama_dir, METHODS[method], **LAYOUTS[layout])
+    engine = spec_engine(tiny_llama_dir, METHODS[method], **LAYOUTS[layout])
     prompts = PROMPTS + PROMPTS[:2]
     params = [GREEDY] * len(PROMPTS) + [PENALIZED] * 2
     assert _tokens(engine, prompts, params) == _tokens(plain, prompts, params)

@@ -16,13 +16,8 @@ from render_server.generation.metrics import GenerationMetrics
 from render_server.http.metrics import RenderMetrics
 from render_server.worker_client.pool import WorkerStatus
 from shared.protocol import Generate, WorkerStats
-from tests.unit.test_spec_engine import (
-    GREEDY,
-    METHODS,
-    PENALIZED,
-    PROMPTS,
-    for_target,
-)
+from tests.helpers.spec_engines import METHODS, for_target
+from tests.unit.test_spec_engine import GREEDY, PENALIZED, PROMPTS
 
 # test_spec_engine's methods (K = 4, fixed draft length: steps draft whatever the drafter
 # has, however fast this machine is), repeating prompts and tiny model (the conftest fixture).

@@ -18,6 +18,7 @@ from gpu_worker.sampling.structured import RequestMatcher
 from shared.constraints import new_matcher
 from shared.protocol import Constraint, Generate
 from shared.sampling import SamplingParams
+from tests.helpers.spec_engines import METHODS, spec_engine
 from tests.helpers.tiny_models import (
     BOS,
     BYTE_VOCAB_SIZE,
@@ -26,7 +27,6 @@ from tests.helpers.tiny_models import (
     save_byte_tokenizer,
     save_tiny_model,
 )
-from tests.unit.test_spec_engine import METHODS, for_target
 
 # Prompts that repeat themselves, so drafts from the prompt and output get accepted.
 PROMPTS = [
@@ -61,16 +61,6 @@ def _params(case: dict[str, Any], max_tokens: int = 30) -> list[SamplingParams]:
     ]
 
 
-def _engine(tiny_llama_dir: Path, speculative: str | None) -> Engine:
-    engine = Engine(
-        model=str(tiny_llama_dir),
-        device="cpu",
-        kv_cache_memory_gb=0.01,
-        speculative_config=None if speculative is None else for_target(speculative, tiny_llama_dir),
-    )
-    return engine
-
-
 @pytest.fixture(scope="module")
 def byte_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny model over byte tokens, whose vocabulary llguidance can read."""
@@ -85,16 +75,6 @@ def byte_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     save_byte_tokenizer(out_dir)
     return out_dir
-
-
-@pytest.fixture(scope="module")
-def plain(tiny_llama_dir: Path) -> Engine:
-    return _engine(tiny_llama_dir, None)
-
-
-@pytest.fixture(scope="module", params=sorted(METHODS))
-def spec(request: pytest.FixtureRequest, tiny_llama_dir: Path) -> Engine:
-    return _engine(tiny_llama_dir, METHODS[request.param])
 
 
 def _assert_same(got: list[Completion], want: list[Completion]) -> None:
@@ -178,8 +158,8 @@ def _constrained(engine: Engine, params: list[SamplingParams]) -> list[tuple[lis
 def test_structured_outputs_decode_as_plain_decoding(byte_model_dir: Path, method: str) -> None:
     greedy, seeded = _params({}, max_tokens=80)
     params = [greedy, greedy, seeded, seeded]
-    want = _constrained(_engine(byte_model_dir, None), params)
-    engine = _engine(byte_model_dir, METHODS[method])
+    want = _constrained(spec_engine(byte_model_dir, None), params)
+    engine = spec_engine(byte_model_dir, METHODS[method])
     got, accepted = _accepted_while(engine, lambda: _constrained(engine, params))
     assert got == want
     assert accepted > 0
@@ -195,7 +175,7 @@ def _matcher(engine: Engine, constraint: Constraint, gate: bytes | None = None) 
 
 
 def test_drafts_end_before_what_the_grammar_refuses_or_completes(byte_model_dir: Path) -> None:
-    engine = _engine(byte_model_dir, METHODS["ngram"])
+    engine = spec_engine(byte_model_dir, METHODS["ngram"])
     matcher = _matcher(engine, Constraint(kind="regex", spec="ab[0-9]{2}"))
     assert matcher.num_valid_drafts(list(b"ab1x")) == 3  # 'x' refused
     assert matcher.num_valid_drafts(list(b"ab12")) == 3  # '2' completes it

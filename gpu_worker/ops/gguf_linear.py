@@ -5,7 +5,7 @@ bytes. The loader keeps, beside the dense fp32 weights, the GGUF file's own bloc
 matrix in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K (4.5-8.5 bits a weight instead
 of 32; the K-quants repacked at load into units of 32 weights, within 3% of the file's
 bytes), and a small C++ kernel (`csrc/gguf_gemv.cpp`, JIT-built once per machine)
-multiplies fp32 activations by them: a dot-product loop up to 8 rows, a register-blocked
+multiplies fp32 activations by them: a dot-product loop up to 12 rows, a register-blocked
 outer-product loop past that. It dequantizes each weight to exactly the fp32 value gguf's
 `dequantize` gives, so results differ from the dense path only in summation order. A fused
 layer whose parts differ in type (Q4_K_M's qkv) runs one call per type. Batches with more

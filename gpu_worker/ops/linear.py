@@ -88,8 +88,8 @@ class LogitsHead:
 FAST_MIN_ROWS = 9
 """With a fast copy, a layer that also has GGUF blocks multiplies up to 8 rows on the
 blocks: a step of a few rows is bound by the bytes it reads, and the blocks are the
-fewest; from 9 rows (the kernel's outer-product path) the step is bound by arithmetic,
-where bf16 dot products do twice fp32's per instruction (bench/cpu_precision.py)."""
+fewest; from 9 rows the step is bound by arithmetic, where bf16 dot products do twice
+fp32's per instruction (bench/cpu_precision.py)."""
 
 
 def takes_fast_path(quantized: QuantizedWeight | None, x: torch.Tensor) -> bool:

@@ -127,13 +127,13 @@ def test_k_quant_rows_stay_near_the_files_size() -> None:
 def test_gemm_matches_float64_reference(ext: ModuleType, qtype: Q, vector: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     # N: below one 4-row tile, not a multiple of 16, several tiles. M: the dot-product
-    # path (up to 8), then the outer-product one (16 and 32 rows a pass, and remainders).
+    # path (up to 12), then the outer-product one (16 and 32 rows a pass, and remainders).
     for n, k in [(3, 256), (37, 512), (100, 768), (301, 256)]:
         quantized, reference = _container(
             _blocks_of(qtype, _weights(n, k, seed=n + k)), qtype, n, k
         )
         dense = torch.from_numpy(reference).double()
-        rows = (1, 2, 7, 8, 9, 16, 17, 33, 50, 96)
+        rows = (1, 2, 7, 8, 9, 12, 13, 16, 17, 33, 50, 96)
         check_gemm_against_float64(ext, quantized, dense, rows, gen, vector)
 
 

@@ -408,13 +408,17 @@ void rows_avx512(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes,
 //
 // The dot-product tiles above pass over W once per 8 rows of x, dequantizing every weight
 // again each time, loading one x vector per FMA and reducing every accumulator across its
-// lanes at the end. Past 8 rows, x is transposed to [K][M padded to 16] and the loop
+// lanes at the end. Past kDotRows rows, x is transposed to [K][M padded to 16] and the loop
 // becomes a BLAS-style micro-kernel: NR weight rows x 16V rows of x in registers, each
 // weight broadcast and multiplied into 16 x rows per FMA. A block of each of the NR rows is
 // dequantized into a 1.5 KiB buffer that stays in L1 (a whole tile of dequantized rows
 // lives in L2 and writing it cost as much as the FMAs); the 32 k-steps that follow read it.
 // Each output is still one fp32 FMA chain over k, as in the dot-product path.
-constexpr int64_t kDotRows = 8;  // the most rows the dot-product path takes
+// The most rows the dot-product path takes. Its passes over a tile cost about one 8-row
+// pass each, and the outer path's 16-row micro-kernel costs the same from 9 to 16 rows, so
+// up to 12 rows two dot passes win: SmolLM2's 120 projections at 9 rows 44 -> 29 ms at one
+// thread, at 12 rows 45 -> 35 ms; at 13 the outer path is ahead again.
+constexpr int64_t kDotRows = 12;
 constexpr int64_t kOuterRows = 48;  // weight rows per task unit: 2 x 24 or 4 x 12
 
 // Outputs n .. n+NR-1 for x rows m0 .. m0+16V-1 (those below M are stored). `q` is row

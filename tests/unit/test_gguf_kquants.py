@@ -127,7 +127,8 @@ def test_k_quant_rows_stay_near_the_files_size() -> None:
 def test_gemm_matches_float64_reference(ext: ModuleType, qtype: Q, vector: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     # N: below one 4-row tile, not a multiple of 16, several tiles. M: the dot-product
-    # path (up to 12), then the outer-product one (16 and 32 rows a pass, and remainders).
+    # path (up to 12), then the outer-product one (16 and 32 rows a pass) with up to 8
+    # rows past a multiple of 16 on the dot path.
     for n, k in [(3, 256), (37, 512), (100, 768), (301, 256)]:
         quantized, reference = _container(
             _blocks_of(qtype, _weights(n, k, seed=n + k)), qtype, n, k

@@ -84,11 +84,12 @@ def test_gemm_matches_float64_reference(
 ) -> None:
     gen = torch.Generator().manual_seed(0)
     # N: below one 4-row tile, not a multiple of 16, several tiles. M: the dot-product
-    # path (up to 12), then the outer-product one (16 and 32 rows a pass, and remainders).
+    # path (up to 12), then the outer-product one (16 and 32 rows a pass) with up to 8
+    # rows past a multiple of 16 on the dot path.
     for n, k in [(3, 32), (37, 96), (100, 576), (1000, 64)]:
         quantized, reference = _quantize(_weights(n, k, seed=n + k), qtype)
         dense = torch.from_numpy(reference).double()
-        rows = (1, 2, 3, 7, 8, 9, 12, 13, 20, 32, 33, 50)
+        rows = (1, 2, 3, 7, 8, 9, 12, 13, 20, 24, 32, 33, 50)
         check_gemm_against_float64(ext, quantized, dense, rows, gen, vector)
 
 

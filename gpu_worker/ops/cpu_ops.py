@@ -1,7 +1,8 @@
 """CPU fp32 kernels for the decode step: paged decode attention, the KV-cache write,
-RMSNorm and rotary (`csrc/cpu_ops.cpp`). The KV cache may be fp32, bf16 or fp16 (--kv-cache-dtype):
-the write rounds fp32 keys and values to it as torch's `.to()` does, and attention widens
-what it reads back to fp32 (exactly: every 16-bit value is an fp32 one).
+RMSNorm and rotary (`csrc/cpu_ops.cpp`). The KV cache may be fp32, bf16 or fp16
+(--kv-cache-dtype): the write rounds fp32 keys and values to it as torch's `.to()` does,
+and attention widens what it reads back to fp32 (exactly: every 16-bit value is an fp32
+one).
 
 They live in the same JIT-built extension as the GGUF GEMV (`gguf_linear.load_extension`),
 so `DUET_CPU_GGUF_KERNELS=0` or a failed build turns them off too; callers check

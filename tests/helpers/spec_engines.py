@@ -10,7 +10,8 @@ from typing import Any
 from gpu_worker import Engine
 
 # A fixed draft length: every draft the drafter has, so that which steps draft does not
-# depend on how fast this machine runs them (the adaptive controller's own tests below).
+# depend on how fast this machine runs them (the adaptive controller has its own tests,
+# tests/unit/test_spec_draft_length.py).
 NGRAM = (
     '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
     '"prompt_lookup_max": 4, "draft_length": "fixed"}'

@@ -22,11 +22,12 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import roofline
 import torch
 from engine import build_workload, cpu_model, load_average, machine
 from results_md import command_line, write_section
@@ -40,8 +41,6 @@ from render_server.templating.tokenizer import Tokenizer  # noqa: E402
 from shared.model_source import DEFAULT_MODEL, resolve_model  # noqa: E402
 from shared.protocol import Generate  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
-
-GIB = 2**30
 
 
 class PartTimer:
@@ -120,22 +119,9 @@ def decode_steps(
 
 def bandwidth(count: int) -> tuple[float, float]:
     """GB/s of a sum over 512 MiB and of a 512 MiB copy, with `count` threads."""
-    src = torch.ones(GIB // 2 // 4)
-    dst = torch.empty_like(src)
-
-    def best(fn: Callable[[], object]) -> float:
-        fn()
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
     with threads(count):
-        read = src.numel() * 4 / best(lambda: src.sum()) / 1e9
-        copy = 2 * src.numel() * 4 / best(lambda: dst.copy_(src)) / 1e9
-    return read, copy
+        read, copy = roofline.bandwidth()
+    return read / 1e9, copy / 1e9
 
 
 def main() -> None:
@@ -181,13 +167,7 @@ def main() -> None:
             else f"| {part} | {1000 * a:.2f} | {share:.0%} | - | - |"
         )
     bw = {c: bandwidth(c) for c in args.threads}
-    weights = sum(
-        (m.quantized.data.numel() if m.quantized is not None else m.weight.numel() * 4)
-        for m in engine.runner.model.modules()
-        if isinstance(m, linear.Linear)
-    )
-    head = engine.runner.model.logits_head.quantized
-    weights += head.data.numel() if head is not None else 0
+    weights = roofline.streamed_weight_bytes(engine.runner.model)
     body = [
         "## cpu_threads",
         "",

@@ -56,6 +56,7 @@ from typing import Any
 
 import torch
 from results_md import command_line, write_section
+from roofline import ModelShape, bandwidth, peak_flops, streamed_weight_bytes
 from safetensors.torch import save_file
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
@@ -136,6 +137,8 @@ class Comparison:
     theirs: list[Clock] = field(default_factory=list)
     ours: list[Clock] = field(default_factory=list)
     outside_share: list[float] = field(default_factory=list)
+    least: Bound | None = None
+    """The least time the case can take on this machine (on CPU only)."""
 
     def rate(self, clocks: list[Clock], attr: str = "wall") -> float:
         return self.tokens / statistics.median(getattr(c, attr) for c in clocks)
@@ -147,6 +150,56 @@ class Comparison:
         return (
             f"| {label} | {hf:.1f} | {us:.1f} | **{us / hf:.2f}x** | {cpu_ratio:.2f}x "
             f"| {share:.1%} |"
+        )
+
+    def bound_row(self, label: str) -> str:
+        """How close duet is to the machine's limit, and the most any engine could gain
+        over transformers under it."""
+        assert self.least is not None
+        ours = statistics.median(c.wall for c in self.ours)
+        theirs = statistics.median(c.wall for c in self.theirs)
+        least = self.least
+        return (
+            f"| {label} | {least.flops / 1e9:.0f} | {least.seconds:.2f} ({least.limit}) "
+            f"| {ours:.2f} | {least.seconds / ours:.0%} | {theirs:.2f} "
+            f"| **{theirs / least.seconds:.2f}x** |"
+        )
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A case's least time on this machine: its fp32 arithmetic at the matmul peak, or
+    (decode) its weight bytes at the memory read rate, whichever is longer."""
+
+    flops: float
+    seconds: float
+    limit: str
+
+    @classmethod
+    def of(
+        cls, flops: float, peak: float, weight_reads: float = 0.0, read_rate: float = 1.0
+    ) -> Bound:
+        compute, memory = flops / peak, weight_reads / read_rate
+        if memory > compute:
+            return cls(flops, memory, "weight reads")
+        return cls(flops, compute, "arithmetic")
+
+
+@dataclass(frozen=True)
+class MachineLimits:
+    """This machine's fp32 matmul peak (FLOP/s) and memory read rate (bytes/s) at torch's
+    thread count when measured."""
+
+    peak: float
+    read_rate: float
+
+    @classmethod
+    def measure(cls) -> MachineLimits:
+        return cls(peak_flops(), bandwidth()[0])
+
+    def describe(self) -> str:
+        return (
+            f"{self.peak / 1e9:.0f} GFLOP/s fp32 matmul peak, {self.read_rate / 1e9:.1f} GB/s read"
         )
 
 
@@ -304,7 +357,9 @@ def single_stream(
     prefill cancels out; the engine's outside share is over its long run."""
     n = args.single_stream_tokens
     result = Comparison(tokens=n)
-
+    # Cache the prompt's prefix first: otherwise the first generate(1) alone prefills it
+    # and the difference undercounts decode by a prefill.
+    decode_one(engine, prompt, 1)
     for _ in range(args.single_stream_repeats):
         first = Clock.measure(lambda: hf_generate(hf, [prompt], 1))
         result.theirs.append(Clock.measure(lambda: hf_generate(hf, [prompt], 1 + n)) - first)
@@ -331,10 +386,16 @@ def _case_label(dtype: str, concurrency: int, case: Workload) -> str:
 
 
 def run_dtype(
-    args: argparse.Namespace, dtype: str, work: Workload, source: ModelSource
+    args: argparse.Namespace,
+    dtype: str,
+    work: Workload,
+    source: ModelSource,
+    limits: MachineLimits | None,
 ) -> list[tuple[str, Comparison]]:
-    """Every case for one dtype: its label and both systems' clocks."""
+    """Every case for one dtype: its label, both systems' clocks and, given this machine's
+    `limits` (fp32 on CPU), the least time the case could take here."""
     hf = load_hf(source, getattr(torch, dtype))
+    shape = ModelShape.of(hf.config)
     rows: list[tuple[str, Comparison]] = []
     concurrencies = list(args.concurrency)
     if 1 not in concurrencies:
@@ -344,6 +405,12 @@ def run_dtype(
         if concurrency > 0:
             case = work.head(args.serial_prompts if concurrency == 1 else None)
             result = Comparison(tokens=case.useful_tokens)
+            if limits is not None:
+                flops = sum(
+                    shape.request_flops(len(p), n)
+                    for p, n in zip(case.prompts, case.output_lens, strict=True)
+                )
+                result.least = Bound.of(flops, limits.peak)
             for _ in range(args.repeats):
                 result.theirs.append(run_hf(hf, case, concurrency))
                 clock, outside = run_engine(engine, timer, case)
@@ -359,7 +426,12 @@ def run_dtype(
         if concurrency <= 1:
             n = args.single_stream_tokens
             label = f"{dtype}, single-stream decode, {n} tokens"
-            rows.append((label, single_stream(args, engine, timer, hf, work.prompts[0])))
+            result = single_stream(args, engine, timer, hf, work.prompts[0])
+            if limits is not None:
+                weight_reads = n * streamed_weight_bytes(engine.runner.model)
+                flops = shape.decode_flops(len(work.prompts[0]), n)
+                result.least = Bound.of(flops, limits.peak, weight_reads, limits.read_rate)
+            rows.append((label, result))
         del engine, timer
         gc.collect()
     return rows
@@ -378,6 +450,35 @@ def thread_scaling(
         theirs = high.rate(high.theirs) / low.rate(low.theirs)
         ours = high.rate(high.ours) / low.rate(low.ours)
         table.append(f"| {label} | {theirs:.2f}x | **{ours:.2f}x** |")
+    return table
+
+
+def machine_bounds(
+    by_threads: dict[int | None, list[tuple[str, Comparison]]],
+    limits_at: dict[int | None, MachineLimits],
+    per_thread_count: bool,
+) -> list[str]:
+    """The fp32 cases against the least time this machine allows them."""
+    table = [
+        "What this machine allows the fp32 cases: "
+        + "; ".join(
+            f"{'' if t is None else f'{t} thread(s): '}{limits.describe()}"
+            for t, limits in limits_at.items()
+        )
+        + ". The least time is the case's arithmetic (every projection, attention over the "
+        "context, the LM head per sampled token) at that peak, or for single-stream decode "
+        "duet's weight bytes per token at that read rate if longer; the last column is "
+        "transformers' time over it, the most any engine could gain over transformers here.",
+        "",
+        "| case | GFLOP | least s (bound by) | duet s | duet at | transformers s "
+        "| transformers / least |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for threads, rows in by_threads.items():
+        for label, result in rows:
+            if result.least is not None:
+                name = f"{threads} thr, {label}" if per_thread_count else label
+                table.append(result.bound_row(name))
     return table
 
 
@@ -816,11 +917,18 @@ def main() -> None:
         write_tp_section(args, work, tp_rows, load_at_start)
         return
     by_threads: dict[int | None, list[tuple[str, Comparison]]] = {}
+    limits_at: dict[int | None, MachineLimits] = {}
     for threads in args.thread_counts or [args.threads]:
         if threads is not None:
             torch.set_num_threads(threads)
+        if args.device == "cpu":
+            limits_at[threads] = MachineLimits.measure()
         by_threads[threads] = [
-            row for dtype in args.dtypes for row in run_dtype(args, dtype, work, source)
+            row
+            for dtype in args.dtypes
+            for row in run_dtype(
+                args, dtype, work, source, limits_at.get(threads) if dtype == "float32" else None
+            )
         ]
     table = [
         "| case | transformers tok/s | duet tok/s | duet / transformers (wall) "
@@ -834,6 +942,8 @@ def main() -> None:
     ]
     if args.thread_counts is not None and len(args.thread_counts) > 1:
         table += ["", *thread_scaling(args.thread_counts, by_threads)]
+    if limits_at:
+        table += ["", *machine_bounds(by_threads, limits_at, args.thread_counts is not None)]
     print("\n".join(table))
     if args.no_write:
         return

@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 from results_md import command_line, write_section
-from roofline import ModelShape, bandwidth, peak_flops, streamed_weight_bytes
+from roofline import Bound, MachineLimits, ModelShape, streamed_weight_bytes
 from safetensors.torch import save_file
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
@@ -163,43 +163,6 @@ class Comparison:
             f"| {label} | {least.flops / 1e9:.0f} | {least.seconds:.2f} ({least.limit}) "
             f"| {ours:.2f} | {least.seconds / ours:.0%} | {theirs:.2f} "
             f"| **{theirs / least.seconds:.2f}x** |"
-        )
-
-
-@dataclass(frozen=True)
-class Bound:
-    """A case's least time on this machine: its fp32 arithmetic at the matmul peak, or
-    (decode) its weight bytes at the memory read rate, whichever is longer."""
-
-    flops: float
-    seconds: float
-    limit: str
-
-    @classmethod
-    def of(
-        cls, flops: float, peak: float, weight_reads: float = 0.0, read_rate: float = 1.0
-    ) -> Bound:
-        compute, memory = flops / peak, weight_reads / read_rate
-        if memory > compute:
-            return cls(flops, memory, "weight reads")
-        return cls(flops, compute, "arithmetic")
-
-
-@dataclass(frozen=True)
-class MachineLimits:
-    """This machine's fp32 matmul peak (FLOP/s) and memory read rate (bytes/s) at torch's
-    thread count when measured."""
-
-    peak: float
-    read_rate: float
-
-    @classmethod
-    def measure(cls) -> MachineLimits:
-        return cls(peak_flops(), bandwidth()[0])
-
-    def describe(self) -> str:
-        return (
-            f"{self.peak / 1e9:.0f} GFLOP/s fp32 matmul peak, {self.read_rate / 1e9:.1f} GB/s read"
         )
 
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from gpu_worker.ops import linear
+
 GIB = 2**30
 
 
@@ -121,7 +123,6 @@ def streamed_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights one decode step of duet's `model` reads: each projection's GGUF
     blocks where it has them, else its fp32 weight, and the LM head's blocks where it has
     them (a dense head is the embedding matrix, not counted)."""
-    from gpu_worker.ops import linear
 
     def blocks_bytes(weight: Any) -> int:
         return sum(int(b.data.numel()) for b in weight.blocks())
@@ -135,3 +136,40 @@ def streamed_weight_bytes(model: torch.nn.Module) -> int:
     if head is not None and head.quantized is not None:
         total += blocks_bytes(head.quantized)
     return total
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A case's least time on this machine: its fp32 arithmetic at the matmul peak, or
+    (decode) its weight bytes at the memory read rate, whichever is longer."""
+
+    flops: float
+    seconds: float
+    limit: str
+
+    @classmethod
+    def of(
+        cls, flops: float, peak: float, weight_reads: float = 0.0, read_rate: float = 1.0
+    ) -> Bound:
+        compute, memory = flops / peak, weight_reads / read_rate
+        if memory > compute:
+            return cls(flops, memory, "weight reads")
+        return cls(flops, compute, "arithmetic")
+
+
+@dataclass(frozen=True)
+class MachineLimits:
+    """This machine's fp32 matmul peak (FLOP/s) and memory read rate (bytes/s) at torch's
+    thread count when measured."""
+
+    peak: float
+    read_rate: float
+
+    @classmethod
+    def measure(cls) -> MachineLimits:
+        return cls(peak_flops(), bandwidth()[0])
+
+    def describe(self) -> str:
+        return (
+            f"{self.peak / 1e9:.0f} GFLOP/s fp32 matmul peak, {self.read_rate / 1e9:.1f} GB/s read"
+        )

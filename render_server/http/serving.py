@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Awaitable
+from collections.abc import AsyncIterable, Awaitable, Callable
 from typing import Any, TypeVar
 
+import anyio
 import msgspec
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from render_server.generation.lifecycle import Generation
 from render_server.schemas.errors import SERVER_ERROR, ApiError, ErrorInfo, ErrorResponse
@@ -86,6 +88,29 @@ def worker_error_to_api(error: WorkerError) -> ApiError:
 
 def sse_event(body: object) -> bytes:
     return b"data: " + _encode_json(body) + b"\n\n"
+
+
+class SseResponse(StreamingResponse):
+    """An SSE stream that closes its body and then calls `on_close` however it ends.
+
+    Starlette leaves the body iterator suspended when a send raises (a client cut off by
+    the write timeout, see admission.py) and then skips the background task, so the
+    generation behind it would run on, holding its worker's KV blocks, for nobody."""
+
+    def __init__(self, body: AsyncIterable[bytes], on_close: Callable[[], Awaitable[None]]):
+        super().__init__(body, media_type="text/event-stream")
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # Shielded: a stream cancelled by the client's disconnect still closes.
+            with anyio.CancelScope(shield=True):
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+                await self.on_close()
 
 
 def sse_error(error: ApiError | WorkerError) -> bytes:

@@ -43,11 +43,14 @@ endif
 # Two pytest workers (pytest-xdist): much of the suite waits on processes it started and on
 # sockets, so two workers keep CI's two cores busier (2026-12-04: 916 s for 2180 tests at -n 2,
 # 1019 s for 2103 tests on one worker the day before).
+# tests.guard bounds the whole run (each test has pytest-timeout's 300 s): past the limit it
+# prints the tests running then and their stacks, and every process the run left is killed.
+TEST_LIMIT_S ?= 2700
 test: install redis-server
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
-	$(VENV)/bin/python -m pytest -q -n 2 --durations=25
+	$(PY) -m tests.guard --limit-s $(TEST_LIMIT_S) -- $(PY) -m pytest -q -n 2 --durations=25
 
 # The inner loop: unit tests without the ones marked slow.
 test-fast: install

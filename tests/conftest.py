@@ -5,17 +5,33 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from shared.model_source import DEFAULT_MODEL, ModelNotFoundError, ModelSource, resolve_model
+from tests import running
 from tests.helpers.redis import redis_server
 
 __all__ = ["redis_server"]  # a fixture: a real redis-server for the whole session
 
 DATA_DIR = Path(__file__).parent / "data"
+
+# Every Hypothesis example has a deadline, and each test's examples times it stay well inside
+# pytest-timeout's 300 s: a slow or looping input fails by name. Counts are set per test.
+EXAMPLE_DEADLINE = timedelta(seconds=2)
+settings.register_profile(
+    "duet", deadline=EXAMPLE_DEADLINE, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile("duet")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    running.register(config)  # under tests.guard: which test runs, stacks on SIGUSR1
+
 
 # Triton picks its CPU interpreter when `@triton.jit` decorates, so the flag must be set
 # before any test module imports `kernels` (directly or through the triton backend).

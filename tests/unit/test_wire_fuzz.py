@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import msgspec
 import pytest
 import zmq
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.protocol import (
@@ -157,8 +158,12 @@ def _check_decoder(decoder: RenderMessageDecoder | WorkerMessageDecoder, frame: 
         assert ENCODER.encode(decoder.decode(again)) == again
 
 
+# A frame decodes in milliseconds; 400 examples at this deadline fit pytest-timeout's 300 s.
+FRAME_DEADLINE = timedelta(milliseconds=500)
+
+
 @pytest.mark.slow  # hundreds of hypothesis examples
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=FRAME_DEADLINE)
 @given(any_frame)
 def test_render_decoder_only_raises_protocol_errors(frame: bytes) -> None:
     decoder = RenderMessageDecoder()
@@ -167,7 +172,7 @@ def test_render_decoder_only_raises_protocol_errors(frame: bytes) -> None:
 
 
 @pytest.mark.slow  # hundreds of hypothesis examples
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=FRAME_DEADLINE)
 @given(any_frame)
 def test_worker_decoder_only_raises_protocol_errors(frame: bytes) -> None:
     decoder = WorkerMessageDecoder()

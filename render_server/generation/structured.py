@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -227,7 +228,31 @@ def _constraint(kind: ConstraintKind, value: Any, param: str) -> Constraint:
             f"{MAX_CONSTRAINT_CHARS} are accepted.",
             param=param,
         )
+    if kind == "regex":
+        _check_regex(spec, param)
     return Constraint(kind=kind, spec=spec)
+
+
+# Syntax llguidance's (Rust-style) regexes have and Python's `re` lacks: not errors here.
+_RUST_ONLY_SYNTAX = ("bad escape", "unknown extension ?<")
+
+
+def _check_regex(pattern: str, param: str) -> None:
+    """A 400 for a pattern Python's `re` rejects: llguidance accepts some invalid ones
+    (`foo**`, a repeat of a repeat) and would constrain to something the client never
+    wrote, as vLLM's advisory found. Compiling is linear in the pattern's length, which is
+    bounded above."""
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        if not str(exc).startswith(_RUST_ONLY_SYNTAX):
+            raise ApiError(
+                400, f"{param}: invalid regex: {exc}.", param=param, code="invalid_constraint"
+            ) from exc
+    except (RecursionError, OverflowError) as exc:  # nesting or a count past re's range
+        raise ApiError(
+            400, f"{param}: invalid regex: {exc}.", param=param, code="invalid_constraint"
+        ) from exc
 
 
 async def check_constraint(

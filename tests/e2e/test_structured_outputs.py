@@ -138,6 +138,9 @@ def test_grammar(client: OpenAI) -> None:
         ),
         ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
         ({"structured_outputs": {"regex": "([a-z]"}}, "structured_outputs"),
+        # llguidance compiles these; Python's `re` (and vLLM since its advisory) does not.
+        ({"structured_outputs": {"regex": "foo**"}}, "structured_outputs"),
+        ({"guided_regex": "[0-9]+*"}, "guided_regex"),
         ({"structured_outputs": {"grammar": "start: nowhere"}}, "structured_outputs"),
         ({"guided_json": "{not json"}, "guided_json"),
         ({"guided_regex": "(a{100}){100}{100}"}, "guided_regex"),  # a bomb: out of fuel
@@ -168,6 +171,18 @@ def test_sdk_raises_bad_request_for_a_bad_schema(client: OpenAI) -> None:
             },
         )
     assert info.value.body["param"] == "response_format"
+
+
+def test_sdk_raises_bad_request_for_a_repeated_repeat(client: OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model=MODEL,
+            prompt="Say foo:",
+            max_tokens=4,
+            extra_body={"structured_outputs": {"regex": "foo**"}},
+        )
+    assert info.value.body["param"] == "structured_outputs"
+    assert "multiple repeat" in info.value.body["message"]
 
 
 def _worker_requests(render: ServerProcess) -> float:

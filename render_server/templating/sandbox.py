@@ -258,6 +258,15 @@ class SandboxEnvironment(ImmutableSandboxedEnvironment):
                 self._safe_attrs[key] = safe
         return safe
 
+    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
+        """A blocked attribute fails the render at once. jinja returns an Undefined that
+        fails only when used further, so `''.__class__`, `x | attr('__class__')` or a
+        format string's `{0.__class__}` rendered as nothing and the request went on with a
+        prompt the template never meant."""
+        raise jinja2.exceptions.SecurityError(
+            f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe."
+        )
+
     def call(__self, __context: Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:
         __self._check_ints([*args, *kwargs.values()])
         # The sandbox's str.format wrapper keeps the format string as __wrapped__.__self__.

@@ -8,6 +8,8 @@ Life of a constrained request (see shared.constraints for the grammar side):
   row (in parallel, on llguidance's thread pool), uploads it and sets the logits of
   disallowed tokens to -inf before any other logit processing. Unconstrained rows are
   never touched, and a batch without constraints pays one pass over its states.
+- A JSON constraint's rows also refuse the tokens that would repeat a key in an object
+  (`json_keys`: the one rule a grammar cannot hold).
 - After the scheduler appends the sampled token, `RequestMatcher.sync` feeds it to the
   matcher. A stopped matcher (the grammar is complete: only EOS could follow) ends the
   request with "stop" at once, without spending a step on EOS.
@@ -19,30 +21,29 @@ invariant explicitly: it rolls the matcher back if the output ever shrinks and c
 if tokens were appended elsewhere, so a change in the engine cannot desync the two.
 
 The worker never loads the render tier's tokenizer; llguidance only needs every token's
-bytes, which `lltokenizer_from_source` reads from the model files (tokenizer.json, or the
-GGUF vocabulary decoded byte-level) without the `tokenizers` package.
+bytes, which `vocab.lltokenizer_from_source` reads from the model files (tokenizer.json,
+or the GGUF vocabulary decoded byte-level) without the `tokenizers` package.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from pathlib import Path
 
 import llguidance
 import numpy as np
 import torch
 
-from shared.byte_level import unicode_to_bytes
+from gpu_worker.sampling.json_keys import KeyGuard, QuoteTokens
+from gpu_worker.sampling.vocab import lltokenizer_from_source
 from shared.constraints import ConstraintError, new_matcher
-from shared.gguf_metadata import GGUFError, read_gguf_metadata
 from shared.model_source import ModelSource
 from shared.protocol import Constraint
 
 logger = logging.getLogger(__name__)
 
-_GGUF_CONTROL = 3
-_MAX_GREEDY_TOKEN_BYTES = 256
+_JSON_KINDS = frozenset({"json_schema", "json_object"})
+"""Constraints whose output is JSON: their matchers get a KeyGuard."""
 
 
 class RequestMatcher:
@@ -58,9 +59,12 @@ class RequestMatcher:
         matcher: llguidance.LLMatcher,
         gate: bytes | None = None,
         tokenizer: llguidance.LLTokenizer | None = None,
+        keys: KeyGuard | None = None,
     ) -> None:
         self.matcher = matcher
         self.num_consumed = 0
+        self.keys = keys
+        """For a JSON constraint (needs `tokenizer`): refuses a key repeated in an object."""
         self._gate = gate
         self._tokenizer = tokenizer
         self._gate_tail = b""
@@ -115,7 +119,9 @@ class RequestMatcher:
                 if self._gate in tail:
                     return count
             return len(draft_token_ids)
-        head = draft_token_ids[: self.matcher.validate_tokens(draft_token_ids)]
+        head = self._without_repeated_keys(
+            draft_token_ids[: self.matcher.validate_tokens(draft_token_ids)]
+        )
         consumed = 0
         stopped = False
         for token_id in head:
@@ -128,6 +134,31 @@ class RequestMatcher:
             self.matcher.rollback(consumed)
         return consumed - 1 if stopped else consumed
 
+    def _without_repeated_keys(self, draft_token_ids: list[int]) -> list[int]:
+        """The head of the drafts short of the first that would repeat a key."""
+        if self.keys is None:
+            return draft_token_ids
+        assert self._tokenizer is not None
+        keys = self.keys.copy()
+        for count, token_id in enumerate(draft_token_ids):
+            text = self._tokenizer.decode_bytes([token_id])
+            if keys.would_repeat(text):
+                return draft_token_ids[:count]
+            keys.feed(text)
+        return draft_token_ids
+
+    def refuse_repeated_keys(self, rows: np.ndarray, draft_token_ids: list[int]) -> None:
+        """Clear, in this request's bitmask rows (uint32 words; row j after the first j
+        drafts), the tokens that would repeat a key of the object being written."""
+        if self.keys is None:
+            return
+        assert self._tokenizer is not None
+        keys = self.keys if not draft_token_ids else self.keys.copy()
+        for j, words in enumerate(rows):
+            keys.refuse(words)
+            if j < len(draft_token_ids):
+                keys.feed(self._tokenizer.decode_bytes([draft_token_ids[j]]))
+
     def sync(self, output_token_ids: list[int]) -> None:
         """Make the matcher's consumed tokens equal the constrained part of the output."""
         if self._gate is not None:
@@ -138,11 +169,18 @@ class RequestMatcher:
         num_output = len(output_token_ids)
         if self.num_consumed > num_output:  # the engine dropped tokens: undo them
             self.matcher.rollback(self.num_consumed - num_output)
+            if self.keys is not None:
+                self.keys.rollback(self.num_consumed - num_output)
             self.num_consumed = num_output
         if self.num_consumed < num_output:
+            new = output_token_ids[self.num_consumed :]
             # A refused token leaves the matcher in its error state, which the engine
             # turns into a finished request; masking makes that unreachable in practice.
-            self.matcher.consume_tokens(output_token_ids[self.num_consumed :])
+            self.matcher.consume_tokens(new)
+            if self.keys is not None:
+                assert self._tokenizer is not None
+                for token_id in new:
+                    self.keys.feed(self._tokenizer.decode_bytes([token_id]))
             self.num_consumed = num_output
 
 
@@ -160,6 +198,7 @@ class StructuredOutputs:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._quote_tokens: QuoteTokens | None = None
         self._load_error: str | None = None
         self._loader: threading.Thread | None = None
 
@@ -173,9 +212,9 @@ class StructuredOutputs:
 
     def _load(self) -> None:
         try:
-            self._tokenizer = lltokenizer_from_source(
-                self.source, self.vocab_size, self.eos_token_ids
-            )
+            tokenizer = lltokenizer_from_source(self.source, self.vocab_size, self.eos_token_ids)
+            self._quote_tokens = QuoteTokens(tokenizer)
+            self._tokenizer = tokenizer  # last: its being set says both are ready
         except Exception as exc:  # reported to each constrained request instead
             logger.exception("structured outputs unavailable")
             self._load_error = f"structured outputs are unavailable on this worker: {exc}"
@@ -195,7 +234,12 @@ class StructuredOutputs:
         """A matcher for a new request; ConstraintError if the constraint does not compile
         or the resumed tokens (a failover's earlier output) do not match it."""
         gate = constraint.start_after.encode() if constraint.start_after else None
-        matcher = RequestMatcher(new_matcher(constraint, self.tokenizer), gate, self.tokenizer)
+        tokenizer = self.tokenizer
+        keys = None
+        if constraint.kind in _JSON_KINDS:
+            assert self._quote_tokens is not None  # built with the tokenizer
+            keys = KeyGuard(self._quote_tokens)
+        matcher = RequestMatcher(new_matcher(constraint, tokenizer), gate, tokenizer, keys)
         resumed = constraint.num_resumed_tokens
         if resumed:
             if resumed > len(prompt_token_ids):
@@ -275,6 +319,9 @@ class GrammarMasker:
             self.num_words * 4,
             n,
         )
+        words = host.numpy().view(np.uint32)
+        for row, m in enumerate(matchers):
+            m.refuse_repeated_keys(words[row : row + 1], [])
         self._allow_eos_only([row for row, m in enumerate(matchers) if m.matcher.is_error()])
         return host
 
@@ -303,6 +350,9 @@ class GrammarMasker:
             self.num_words * 4,
             n,
         )
+        words = host.numpy().view(np.uint32)
+        for m, first, drafts in zip(matchers, first_rows, draft_token_ids, strict=True):
+            m.refuse_repeated_keys(words[first : first + len(drafts) + 1], drafts)
         errored = [
             first + j
             for m, first, drafts in zip(matchers, first_rows, draft_token_ids, strict=True)
@@ -336,87 +386,3 @@ def _bit(position: int) -> int:
     """Bit `position` of an int32 word, as the signed value torch stores."""
     value = 1 << position
     return value - (1 << 32) if position == 31 else value
-
-
-def lltokenizer_from_source(
-    source: ModelSource, vocab_size: int, eos_token_ids: list[int]
-) -> llguidance.LLTokenizer:
-    """llguidance's view of the model's vocabulary, read from the model files."""
-    if source.kind == "hf":
-        tokenizer_json = Path(source.path) / "tokenizer.json"
-        text = tokenizer_json.read_text(encoding="utf-8")
-        return llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos_token_ids)
-    return _lltokenizer_from_gguf(source.path, vocab_size, eos_token_ids)
-
-
-def _lltokenizer_from_gguf(
-    path: Path, vocab_size: int, eos_token_ids: list[int]
-) -> llguidance.LLTokenizer:
-    try:
-        # Only the four keys it needs: the merges, a second ~100k strings, are stepped over.
-        meta = read_gguf_metadata(path, _GGUF_VOCAB_KEYS)
-    except GGUFError as exc:
-        raise ConstraintError(str(exc)) from exc
-    kind = meta.string("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ConstraintError(f"structured outputs need a byte-level BPE vocabulary, not {kind!r}")
-    tokens = meta.strings("tokenizer.ggml.tokens")
-    token_types = meta.integers("tokenizer.ggml.token_type") or [1] * len(tokens)
-    byte_of = unicode_to_bytes()
-    token_bytes: list[bytes] = []
-    special: list[int] = []
-    for token_id, (token, kind_) in enumerate(zip(tokens, token_types, strict=False)):
-        if kind_ == _GGUF_CONTROL:
-            special.append(token_id)
-            token_bytes.append(token.encode())
-        elif all(char in byte_of for char in token):
-            token_bytes.append(bytes(byte_of[char] for char in token))
-        else:  # some converters store raw text
-            token_bytes.append(token.encode())
-    vocab = _GreedyVocab(
-        token_bytes,
-        special,
-        eos_token_ids[0] if eos_token_ids else 0,
-        meta.integer("tokenizer.ggml.bos_token_id"),
-    )
-    return llguidance.LLTokenizer(
-        llguidance.TokenizerWrapper(vocab), n_vocab=vocab_size, eos_token=eos_token_ids
-    )
-
-
-_GGUF_VOCAB_KEYS = frozenset(
-    {
-        "tokenizer.ggml.model",
-        "tokenizer.ggml.tokens",
-        "tokenizer.ggml.token_type",
-        "tokenizer.ggml.bos_token_id",
-    }
-)
-
-
-class _GreedyVocab:
-    """The token table llguidance's TokenizerWrapper asks for. Its tokenizer is greedy
-    longest-match: llguidance tokenizes only for prompt healing and forced tokens, which
-    the engine does not use, so it is never on the sampling path."""
-
-    def __init__(self, tokens: list[bytes], special: list[int], eos: int, bos: int | None) -> None:
-        self.tokens = tokens
-        self.special_token_ids = special
-        self.eos_token_id = eos
-        self.bos_token_id = bos
-        skip = set(special)
-        self._ids = {t: i for i, t in enumerate(tokens) if t and i not in skip}
-
-    def __call__(self, text: bytes) -> list[int]:
-        ids: list[int] = []
-        start = 0
-        while start < len(text):
-            for end in range(min(len(text), start + _MAX_GREEDY_TOKEN_BYTES), start, -1):
-                token_id = self._ids.get(text[start:end])
-                if token_id is not None:
-                    ids.append(token_id)
-                    start = end
-                    break
-            else:
-                start += 1  # a byte no token spells (impossible for byte-level BPE)
-        return ids

@@ -85,20 +85,25 @@ ItemContent = Annotated[
 ]
 
 
-class MessageItem(_Item):
+class _InputItem(_Item):
+    id: str | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS)
+    """Kept for the item's listing (GET /v1/responses/{id}/input_items); else one is made."""
+
+
+class MessageItem(_InputItem):
     type: Literal["message"] = "message"
     role: Literal["system", "developer", "user", "assistant"]
     content: ItemContent
 
 
-class FunctionCallItem(_Item):
+class FunctionCallItem(_InputItem):
     type: Literal["function_call"]
     call_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
     name: str = Field(min_length=1)
     arguments: str
 
 
-class FunctionCallOutputItem(_Item):
+class FunctionCallOutputItem(_InputItem):
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
     output: ItemContent
@@ -109,7 +114,7 @@ class SummaryPart(_Item):
     text: str
 
 
-class ReasoningItem(_Item):
+class ReasoningItem(_InputItem):
     """Reasoning passed back: its summary is the reasoning the next turn's template sees."""
 
     type: Literal["reasoning"]
@@ -376,7 +381,9 @@ class DeletedResponse(msgspec.Struct):
 class StoredResponse(msgspec.Struct):
     """What the response store keeps per response: the object GET returns, and the
     conversation up to and including its output as chat messages, which a response
-    naming it as `previous_response_id` continues."""
+    naming it as `previous_response_id` continues, and its request's input items as
+    GET /v1/responses/{id}/input_items lists them."""
 
     response: ResponseObject
     history: list[dict[str, Any]]
+    input_items: list[dict[str, Any]] = msgspec.field(default_factory=list)

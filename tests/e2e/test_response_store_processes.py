@@ -16,6 +16,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -144,6 +145,26 @@ def test_stored_responses_are_read_and_continued_through_either_process(
     for _ in range(4):  # gone for both processes
         gone = httpx.get(f"{shared.base_url}/v1/responses/{first.id}", timeout=30)
         assert gone.status_code == 404, gone.text
+
+
+def test_input_items_are_listed_through_either_process(shared: ServerProcess) -> None:
+    inputs: list[Any] = [
+        {"role": "developer", "content": "Answer in one word."},
+        {"type": "message", "id": "msg_mine", "role": "user", "content": "Name a colour."},
+    ]
+    created = _client(shared).responses.create(model=MODEL, input=inputs, max_output_tokens=2)
+    path = f"/v1/responses/{created.id}/input_items"
+    rounds = 0
+    while len(_answered_by(shared, "GET", path)) < 2:
+        assert rounds < MAX_ROUNDS, f"one process took every call:\n{shared.log()}"
+        rounds += 1
+        listed = _client(shared).responses.input_items.list(created.id, order="asc")
+        assert [(item.type, item.role) for item in listed.data] == [  # type: ignore[union-attr]
+            ("message", "developer"),
+            ("message", "user"),
+        ]
+        assert listed.data[1].id == "msg_mine"
+        assert listed.has_more is False
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import httpx
 import jsonschema
 import pytest
-from openai import NotFoundError, OpenAI
+from openai import BadRequestError, NotFoundError, OpenAI
 
 from tests.e2e.conftest import WorkerProcess, running_render
 from tests.helpers.processes import ServerProcess
@@ -284,6 +284,74 @@ def test_retrieve_and_delete(client: OpenAI) -> None:
         client.responses.retrieve(not_stored.id)
 
 
+CONVERSATION: list[Any] = [
+    {"role": "developer", "content": "Answer in one word."},
+    {"type": "message", "id": "msg_mine", "role": "user", "content": "Name a colour."},
+    {"role": "assistant", "content": [{"type": "output_text", "text": "Blue."}]},
+    {"role": "user", "content": [{"type": "input_text", "text": "And another?"}]},
+    {"role": "user", "content": "One word."},
+]
+
+
+def test_input_items_are_listed_a_page_at_a_time(client: OpenAI, render: ServerProcess) -> None:
+    response = client.responses.create(model=MODEL, input=CONVERSATION, max_output_tokens=2)
+    # The SDK pages on by `after` = the last id of each page: three pages of two.
+    items = list(client.responses.input_items.list(response.id, limit=2))
+    assert [(item.type, getattr(item, "role", None)) for item in items] == [
+        ("message", "user"),
+        ("message", "user"),
+        ("message", "assistant"),
+        ("message", "user"),
+        ("message", "developer"),
+    ]  # desc: the last input first
+    ids = [item.id for item in items]
+    assert len(set(ids)) == 5
+    assert ids[3] == "msg_mine"
+    assert items[0].content[0].type == "input_text"
+    assert items[0].content[0].text == "One word."
+    assert items[2].content[0].type == "output_text"
+    assert items[2].content[0].text == "Blue."
+    first = client.responses.input_items.list(response.id, limit=2, order="asc")
+    assert [item.id for item in first.data] == [ids[4], ids[3]]
+    assert (first.first_id, first.last_id, first.has_more) == (ids[4], ids[3], True)
+    last = client.responses.input_items.list(
+        response.id, after=ids[1], include=["reasoning.encrypted_content"]
+    )
+    assert ([item.id for item in last.data], last.has_more) == ([ids[2], ids[3], ids[4]], False)
+    url = f"{render.base_url}/v1/responses/{response.id}/input_items"
+    before = httpx.get(url, params={"before": ids[2], "limit": 1}, timeout=10).json()
+    assert before["object"] == "list"
+    assert ([item["id"] for item in before["data"]], before["has_more"]) == ([ids[1]], True)
+    for params, param in (
+        ({"limit": 0}, "limit"),
+        ({"limit": 101}, "limit"),
+        ({"after": "x"}, "after"),
+        ({"order": "up"}, "order"),
+        ({"include": "nope"}, "include.0"),
+    ):
+        error = _error(httpx.get(url, params=params, timeout=10), 400)
+        assert error["param"] == param, error
+
+
+def test_input_items_are_the_responses_own(client: OpenAI) -> None:
+    first = client.responses.create(model=MODEL, input="Name a colour.", max_output_tokens=2)
+    second = client.responses.create(
+        model=MODEL, input="And another?", previous_response_id=first.id, max_output_tokens=2
+    )
+    [item] = client.responses.input_items.list(second.id).data
+    assert (item.type, item.role) == ("message", "user")
+    assert item.content[0].text == "And another?"
+    assert item.id.startswith("msg_")
+
+
+def test_cancelling_a_finished_response_is_a_400(client: OpenAI) -> None:
+    response = client.responses.create(model=MODEL, input=ASK, max_output_tokens=2)
+    with pytest.raises(BadRequestError) as refused:
+        client.responses.cancel(response.id)
+    assert refused.value.body["message"] == "Cannot cancel a synchronous response."
+    assert client.responses.retrieve(response.id).status == response.status
+
+
 def test_cancel_a_running_stream(client: OpenAI, render: ServerProcess) -> None:
     seen: list[str] = []
     started = threading.Event()
@@ -479,6 +547,7 @@ def test_unknown_ids_are_404(render: ServerProcess) -> None:
         ("GET", "/v1/responses/resp_nope"),
         ("DELETE", "/v1/responses/resp_nope"),
         ("POST", "/v1/responses/resp_nope/cancel"),
+        ("GET", "/v1/responses/resp_nope/input_items"),
     ):
         _error(httpx.request(method, f"{render.base_url}{path}", timeout=10), 404)
 

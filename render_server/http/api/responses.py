@@ -1,4 +1,5 @@
-"""The OpenAI Responses API: POST /v1/responses (and its render), GET, DELETE and cancel.
+"""The OpenAI Responses API: POST /v1/responses (and its render), GET, DELETE, cancel
+and the input items.
 
 A Responses body is translated into a chat body (`ChatCompletionRequest`): the input
 items become chat messages after the stored conversation of `previous_response_id`, and
@@ -14,11 +15,11 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterable, AsyncIterator
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import anyio
 import msgspec
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
 from render_server.generation.lifecycle import Generation
@@ -32,6 +33,7 @@ from render_server.http.api.responses_input import (
     refuse_unsupported,
     response_template,
 )
+from render_server.http.api.responses_items import input_items, page
 from render_server.http.api.responses_stream import ResponsesFormatter, new_item_id
 from render_server.http.endpoint import (
     admit,
@@ -138,15 +140,18 @@ class _StoredRun:
         generation: Generation,
         formatter: ResponsesFormatter,
         history: list[dict[str, Any]],
+        items: list[dict[str, Any]],
     ) -> None:
         self.store = store
         self.tenant = tenant
         self.generation = generation
         self.formatter = formatter
         self.history = history
+        self.items = items
 
     async def start(self) -> None:
-        await _put(self.store, self.tenant, StoredResponse(self.formatter.template, self.history))
+        stored = StoredResponse(self.formatter.template, self.history, self.items)
+        await _put(self.store, self.tenant, stored)
 
     async def _abort_when(self, cancelled: asyncio.Event) -> None:
         await cancelled.wait()
@@ -159,7 +164,7 @@ class _StoredRun:
         response = formatter.final
         if response is None:
             response = formatter.snapshot("cancelled" if formatter.cancelled else fallback, None)
-        stored = StoredResponse(response, self.history + output_messages(response))
+        stored = StoredResponse(response, self.history + output_messages(response), self.items)
         # Also when the client left and the stream is being cancelled: the record must
         # not stay in_progress.
         with anyio.CancelScope(shield=True):
@@ -236,7 +241,9 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
     )
     if not body.store:
         return await respond(request, generation, formatter, stream=body.stream)
-    run = _StoredRun(_store(state), tenant_id(request), generation, formatter, conversation)
+    run = _StoredRun(
+        _store(state), tenant_id(request), generation, formatter, conversation, input_items(body)
+    )
     await run.start()
     if not body.stream:
         return await run.whole(request)
@@ -270,6 +277,33 @@ async def get_response(response_id: str, request: Request, state: StateDep) -> R
     return json_response(stored.response)
 
 
+@router.get("/v1/responses/{response_id}/input_items", responses=REQUEST_ERRORS)
+async def list_input_items(
+    response_id: str,
+    request: Request,
+    state: StateDep,
+    after: str | None = None,
+    before: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+) -> Response:
+    """The stored response's input items, a page at a time (OpenAI's cursor list). The
+    `include` values come as `include[]` (the openai SDK's form) or `include`."""
+    query = request.query_params
+    stored = await _get(_store(state), tenant_id(request), response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    items = page(
+        stored.input_items,
+        order=order,
+        limit=limit,
+        after=after,
+        before=before,
+        include=[*query.getlist("include[]"), *query.getlist("include")],
+    )
+    return json_response(items)
+
+
 @router.delete("/v1/responses/{response_id}", responses=REQUEST_ERRORS)
 async def delete_response(response_id: str, request: Request, state: StateDep) -> Response:
     """Forget a stored response."""
@@ -285,12 +319,15 @@ async def delete_response(response_id: str, request: Request, state: StateDep) -
 @router.post("/v1/responses/{response_id}/cancel", responses=REQUEST_ERRORS)
 async def cancel_response(response_id: str, request: Request, state: StateDep) -> Response:
     """Stop a running response (in whichever process runs it) and answer with it as it
-    ended; a response that already ended is answered as it is."""
+    ended. One that already ended is a 400, as OpenAI answers for every response not
+    created in the background (which this server has none of)."""
     store = _store(state)
     tenant = tenant_id(request)
     stored = await _get(store, tenant, response_id)
     if stored is None:
         raise _not_found(response_id)
+    if stored.response.status != "in_progress":
+        raise ApiError(400, "Cannot cancel a synchronous response.")
     deadline = asyncio.get_running_loop().time() + CANCEL_WAIT_S
     while stored.response.status == "in_progress":
         # Asked again each round: the runner may not have been listening yet.

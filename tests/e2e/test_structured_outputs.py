@@ -89,6 +89,23 @@ def test_structured_outputs_regex(client: OpenAI) -> None:
     assert reply.choices[0].finish_reason == "stop"
 
 
+def test_disable_additional_properties_keeps_to_the_listed_keys(client: OpenAI) -> None:
+    """vLLM's option closes an object that leaves additionalProperties out."""
+    schema = {key: value for key, value in PERSON.items() if key != "additionalProperties"}
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=PERSON_QUESTION,
+        max_tokens=80,
+        temperature=1.0,
+        seed=5,
+        n=4,
+        extra_body={"structured_outputs": {"json": schema, "disable_additional_properties": True}},
+    )
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop"
+        assert set(json.loads(choice.message.content)) == {"name", "age", "pets"}
+
+
 def test_structured_outputs_choice_with_n(client: OpenAI) -> None:
     choices = ["sunny", "rainy", "snowy"]
     reply = client.chat.completions.create(

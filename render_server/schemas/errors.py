@@ -25,9 +25,8 @@ class ErrorInfo(BaseModel):
     """Error class: `invalid_request_error`, `authentication_error`, `server_error`, ..."""
     param: str | None = None
     """Dotted path of the offending request field (e.g. `messages.0.role`), if any."""
-    code: str | int | None = None
-    """Machine-readable code (e.g. `model_not_found`, `invalid_api_key`), if any; vLLM's
-    LoRA routes put the HTTP status here."""
+    code: str | None = None
+    """Machine-readable code (e.g. `model_not_found`, `invalid_api_key`), if any."""
 
 
 class ErrorResponse(BaseModel):
@@ -46,7 +45,7 @@ class ApiError(Exception):
         *,
         type: str = INVALID_REQUEST,
         param: str | None = None,
-        code: str | int | None = None,
+        code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)

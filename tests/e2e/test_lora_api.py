@@ -295,7 +295,7 @@ def test_runtime_load_and_unload(cluster: LoRACluster) -> None:
         _client(render).completions.create(model="beta", prompt=PROMPT, max_tokens=2)
     missing = _unload(render, "beta")
     assert missing.status_code == 404
-    assert missing.json()["error"]["type"] == "NotFoundError"
+    assert missing.json()["error"]["code"] == "lora_not_found"
 
 
 @pytest.mark.parametrize(
@@ -314,7 +314,9 @@ def test_a_load_from_outside_the_root_is_refused(
 ) -> None:
     answer = _load(cluster.render, "intruder", path.format(outside=cluster.outside))
     assert answer.status_code == status, answer.text
-    assert answer.json()["error"]["code"] == status
+    error = answer.json()["error"]
+    assert error["param"] == "lora_path", error
+    assert error["code"] == ("lora_not_found" if status == 404 else "invalid_lora_adapter")
     assert "intruder" not in _model_ids(cluster.render)
 
 

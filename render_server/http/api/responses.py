@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterable, AsyncIterator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import anyio
 import msgspec
@@ -33,7 +33,7 @@ from render_server.http.api.responses_input import (
     refuse_unsupported,
     response_template,
 )
-from render_server.http.api.responses_items import input_items, page
+from render_server.http.api.responses_items import context_items, page
 from render_server.http.api.responses_stream import ResponsesFormatter, new_item_id
 from render_server.http.endpoint import (
     admit,
@@ -114,11 +114,11 @@ def _not_found(response_id: str, param: str | None = None) -> ApiError:
     )
 
 
-async def _history(
+async def _previous(
     state: RenderState, request: Request, body: ResponsesRequest
-) -> list[dict[str, Any]]:
+) -> StoredResponse | None:
     if body.previous_response_id is None:
-        return []
+        return None
     previous = await _get(_store(state), tenant_id(request), body.previous_response_id)
     if previous is None:
         raise _not_found(body.previous_response_id, "previous_response_id")
@@ -126,7 +126,7 @@ async def _history(
         raise ApiError(
             400, "The previous response is still in progress.", param="previous_response_id"
         )
-    return previous.history
+    return previous
 
 
 class _StoredRun:
@@ -202,22 +202,28 @@ class _StoredRun:
 # ---- routes ---------------------------------------------------------------------------
 
 
-async def _prepare(
-    request: Request, state: RenderState, body: ResponsesRequest
-) -> tuple[ChatCompletionRequest, list[dict[str, Any]]]:
-    """The chat body to run, and the conversation a stored response keeps (without the
-    output yet)."""
+class _Turn(NamedTuple):
+    """A Responses body as it runs: the chat body, the conversation a stored response keeps
+    (without its output yet), and the items it is generated from (input_items lists them)."""
+
+    chat: ChatCompletionRequest
+    conversation: list[dict[str, Any]]
+    items: list[dict[str, Any]]
+
+
+async def _prepare(request: Request, state: RenderState, body: ResponsesRequest) -> _Turn:
     refuse_unsupported(body)
-    history = await _history(state, request, body)
+    previous = await _previous(state, request, body)
+    history = [] if previous is None else previous.history
     conversation = history + input_messages(body, history)
-    return chat_body(body, conversation), conversation
+    return _Turn(chat_body(body, conversation), conversation, context_items(previous, body))
 
 
 @router.post("/v1/responses", responses=GENERATION_ERRORS)
 async def create_response(body: ResponsesRequest, request: Request, state: StateDep) -> Response:
     """OpenAI's Responses API, streamed (named SSE events) or not; stored unless
     `store` is false."""
-    chat, conversation = await _prepare(request, state, body)
+    chat, conversation, items = await _prepare(request, state, body)
     pool = admit(state, chat)
     prompt = await prepare_chat(request, state, chat)
     response_id = new_item_id("resp")
@@ -241,9 +247,7 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
     )
     if not body.store:
         return await respond(request, generation, formatter, stream=body.stream)
-    run = _StoredRun(
-        _store(state), tenant_id(request), generation, formatter, conversation, input_items(body)
-    )
+    run = _StoredRun(_store(state), tenant_id(request), generation, formatter, conversation, items)
     await run.start()
     if not body.stream:
         return await run.whole(request)
@@ -260,7 +264,7 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
 @router.post("/v1/responses/render", responses={200: {"model": GenerateRequest}, **REQUEST_ERRORS})
 async def render_response(body: ResponsesRequest, request: Request, state: StateDep) -> Response:
     """The GenerateRequest /v1/responses would run for this body."""
-    chat, _ = await _prepare(request, state, body)
+    chat = (await _prepare(request, state, body)).chat
     check_request(state, chat)
     prompt = await prepare_chat(request, state, chat)
     [spec] = prompt_specs(state, chat, [prompt.prompt_ids], prompt_param="input")

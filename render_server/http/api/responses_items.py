@@ -23,6 +23,7 @@ from render_server.schemas.responses_api import (
     ItemContent,
     MessageItem,
     ResponsesRequest,
+    StoredResponse,
 )
 
 INCLUDABLE = HARMLESS_INCLUDES | {"reasoning.encrypted_content", "message.output_text.logprobs"}
@@ -65,6 +66,15 @@ def _message(item: MessageItem) -> dict[str, Any]:
         "status": "completed",
         "content": content,
     }
+
+
+def context_items(previous: StoredResponse | None, body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The items a response is generated from, as OpenAI lists them, oldest first: with a
+    `previous_response_id`, the earlier turns' input and output items, then this input."""
+    earlier: list[dict[str, Any]] = []
+    if previous is not None:
+        earlier = [*previous.input_items, *msgspec.to_builtins(previous.response.output)]
+    return [*earlier, *input_items(body)]
 
 
 def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:

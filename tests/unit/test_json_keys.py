@@ -156,7 +156,7 @@ def test_sampled_outputs_hold_no_key_twice(smollm2_tokenizer: Any) -> None:
         f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n",
         add_special_tokens=False,
     )
-    seeds = range(12, 20)
+    seeds = range(14, 18)  # 15 is the one that repeated a key
     for seed in seeds:
         sampling = SamplingParams(temperature=1.0, seed=seed, max_tokens=120)
         engine.add_request(

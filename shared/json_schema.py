@@ -85,3 +85,40 @@ def _should_close(schema: dict[str, Any], bare_objects: bool) -> bool:
         if any(isinstance(name, str) and name not in names for name in required):
             return False
     return True
+
+
+def has_refs(schema: object) -> bool:
+    """Whether a `$ref` appears anywhere in `schema`."""
+    stack = [schema]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if isinstance(item.get("$ref"), str):
+                return True
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+def rebase_refs(schema: dict[str, Any], pointer: str) -> dict[str, Any]:
+    """A copy of `schema` whose document-local `$ref`s ("#", "#/...") resolve from
+    `pointer` ("#/$defs/name"), for a schema that is moved there inside a larger one (a
+    `required` tool choice nests every tool's parameters in one array schema, where the
+    tool's own "#/$defs/A" would point at nothing). Other refs are left as they are."""
+    rebased = json.loads(json.dumps(schema))
+    stack: list[object] = [rebased]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+            continue
+        if not isinstance(item, dict):
+            continue
+        ref = item.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            item["$ref"] = pointer + ref[1:]
+        for key, child in item.items():
+            if key not in ("enum", "const", "default", "examples"):
+                stack.append(child)
+    return rebased

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from render_server.parsing.tool_parsers import TOOL_PARSERS, get_tool_parser
 from render_server.schemas.errors import ApiError
-from shared.json_schema import close_objects
+from shared.json_schema import close_objects, has_refs, rebase_refs
 from shared.protocol import Constraint
 
 ToolMode = Literal["none", "auto", "required", "named"]
@@ -141,22 +141,9 @@ def plan_tools(
             )
         return ToolPlan("auto", tools, parser_name=tool_call_parser)
     if choice == "required":
-        items = [
-            {
-                "type": "object",
-                "properties": {
-                    "name": {"const": tool["function"]["name"]},
-                    "parameters": _parameters(tool),
-                },
-                "required": ["name", "parameters"],
-                "additionalProperties": False,
-            }
-            for tool in tools
-        ]
-        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
-        if parallel_tool_calls is False:
-            schema["maxItems"] = 1
-        return ToolPlan("required", tools, constraint=_schema_constraint(schema))
+        return ToolPlan(
+            "required", tools, constraint=_required_constraint(tools, parallel_tool_calls)
+        )
     if isinstance(choice, dict) and choice.get("type") == "function":
         name = (choice.get("function") or {}).get("name")
         for tool in tools:
@@ -176,6 +163,38 @@ def plan_tools(
         '"function": {"name": ...}}.',
         param="tool_choice",
     )
+
+
+def _required_constraint(
+    tools: list[dict[str, Any]], parallel_tool_calls: bool | None
+) -> Constraint:
+    """One or more calls (one when `parallel_tool_calls` is false), each of a listed tool
+    with its arguments. A tool whose parameters use `$ref` moves them into the root's
+    `$defs`, its refs rebased, since "#/..." now names the root of this array schema."""
+    items, defs = [], {}
+    for index, tool in enumerate(tools):
+        parameters = _parameters(tool)
+        if has_refs(parameters):
+            key = f"tool{index}"
+            defs[key] = rebase_refs(parameters, f"#/$defs/{key}")
+            parameters = {"$ref": f"#/$defs/{key}"}
+        items.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": tool["function"]["name"]},
+                    "parameters": parameters,
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if parallel_tool_calls is False:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return _schema_constraint(schema)
 
 
 def _schema_constraint(schema: dict[str, Any]) -> Constraint:

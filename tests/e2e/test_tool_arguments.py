@@ -103,3 +103,36 @@ def test_instructor_tools_mode_ends_in_a_model(render: ServerProcess, seed: int)
     [call] = choice.message.tool_calls
     assert set(json.loads(call.function.arguments)) == {"name", "age"}
     assert completion.usage.completion_tokens < MAX_TOKENS
+
+
+def test_a_required_call_of_a_tool_with_nested_models(render: ServerProcess) -> None:
+    """openai.pydantic_function_tool writes a nested model as "#/$defs/Address"; with
+    tool_choice "required" every call was a 400 ("Pointer '/$defs/Address' does not
+    exist"), since the tools' parameters sit inside one array schema."""
+    import openai
+    from pydantic import BaseModel
+
+    class Address(BaseModel):
+        city: str
+
+    class SaveContact(BaseModel):
+        name: str
+        home: Address
+
+    tool = openai.pydantic_function_tool(SaveContact)
+    assert "$defs" in tool["function"]["parameters"]
+    client = openai.OpenAI(base_url=f"{render.base_url}/v1", api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Save Ann, who lives in Oslo."}],
+        tools=[tool],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+    )
+    [choice] = reply.choices
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.function.name == "SaveContact"
+        SaveContact.model_validate_json(call.function.arguments)

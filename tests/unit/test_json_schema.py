@@ -15,7 +15,7 @@ from render_server.parsing.tool_choice import plan_tools
 from render_server.schemas.errors import ApiError
 from render_server.schemas.generation import ChatCompletionRequest
 from shared.constraints import grammar_of, lltokenizer_from_hf, parser_limits
-from shared.json_schema import close_objects
+from shared.json_schema import close_objects, rebase_refs
 from shared.protocol import Constraint
 
 OPEN = {  # as LangChain's @tool and instructor write a schema: no additionalProperties
@@ -186,3 +186,45 @@ def test_a_schema_too_deep_to_copy_is_a_400_naming_tools() -> None:
     with pytest.raises(ApiError) as info:
         named(deep)
     assert (info.value.status_code, info.value.info.param) == (400, "tools")
+
+
+NESTED_MODEL = {  # as pydantic writes a model with a nested model: "#/$defs/Address"
+    "$defs": {
+        "Address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        }
+    },
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "home": {"$ref": "#/$defs/Address"}},
+    "required": ["name", "home"],
+}
+
+
+def test_required_calls_resolve_a_tools_refs(lltokenizer: Any) -> None:
+    """Nested in the array of calls, a tool's "#/$defs/Address" named the root of that
+    array, which has no such definition: every required call with such a tool was a 400."""
+    constraint = required(NESTED_MODEL)
+    call = '[{"name": "f", "parameters": {"name": "Ann", "home": {"city": "Oslo"}}}]'
+    assert accepts(constraint, call, lltokenizer)
+    extra = '[{"name": "f", "parameters": {"name": "Ann", "home": {"city": "Oslo", "x": 1}}}]'
+    assert not accepts(constraint, extra, lltokenizer)  # the definition is closed too
+    assert not accepts(constraint, '[{"name": "f", "parameters": {"name": "Ann"}}]', lltokenizer)
+
+
+def test_rebased_refs_keep_the_root_and_outside_refs() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "self": {"$ref": "#"},
+            "other": {"$ref": "https://example.com/schema.json"},
+            "note": {"const": {"$ref": "#/not/a/ref"}},
+        },
+    }
+    rebased = rebase_refs(schema, "#/$defs/tool0")
+    props = rebased["properties"]
+    assert props["self"] == {"$ref": "#/$defs/tool0"}
+    assert props["other"] == {"$ref": "https://example.com/schema.json"}
+    assert props["note"] == {"const": {"$ref": "#/not/a/ref"}}
+    assert schema["properties"]["self"] == {"$ref": "#"}  # the original is untouched

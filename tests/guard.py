@@ -35,10 +35,11 @@ def _report_stuck(directory: Path, limit_s: float, pgid: int) -> None:
     """The running tests and every pytest process's stacks, printed before the kill."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGUSR1)
+    # Every registered process has a .stacks file; one that died since never fills its own.
+    registered = len(list(directory.glob("*.stacks")))
     deadline = time.monotonic() + DUMP_WAIT_S
-    while time.monotonic() < deadline and not stack_dumps(directory):
+    while time.monotonic() < deadline and len(stack_dumps(directory)) < registered:
         time.sleep(0.1)
-    time.sleep(0.5)  # the other processes' dumps, which land within moments of the first
     print(f"\ntests.guard: the run passed its {limit_s:.0f} s limit; running then:")
     for worker, nodeid, age_s in running_tests(directory):
         print(f"  [{worker}] {nodeid} (for {age_s:.0f} s)")

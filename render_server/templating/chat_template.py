@@ -8,7 +8,9 @@ gets an exception raised into its thread and the request fails alone. Renders of
 own template with small inputs run in the calling thread (the event loop's, over HTTP), timed
 by one watchdog thread; large inputs and request-supplied templates run on a small pool, the
 latter rendered by a child process that is killed at the deadline. The sandbox lives in
-sandbox.py, the deadline machinery in deadline.py, the child processes in isolation.py.
+sandbox.py, the deadline machinery in deadline.py, the child processes in isolation.py; what
+a template is given is shaped in chat_inputs.py, and special-token text in the request is
+kept plain by special_text.py.
 """
 
 from __future__ import annotations
@@ -16,18 +18,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
-import re
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.nodes
 
+from render_server.templating.chat_inputs import (
+    cut_after_final_message,
+    fits_inline,
+    has_tool_turns,
+    iterates_content,
+    plain,
+    prepare_messages,
+    tag_final_message,
+)
 from render_server.templating.deadline import RenderInterrupted, RenderJob, Watchdog
 from render_server.templating.errors import (
     ChatTemplateError,
@@ -37,6 +44,7 @@ from render_server.templating.errors import (
 )
 from render_server.templating.isolation import TemplateProcesses
 from render_server.templating.sandbox import SandboxEnvironment
+from render_server.templating.special_text import SpecialTextGuard, encode_restored
 from render_server.templating.templates import tools_template_for
 from render_server.templating.tokenizer import Tokenizer
 
@@ -59,13 +67,6 @@ RESERVED_TEMPLATE_VARS = frozenset({
     "raise_exception", "strftime_now", "namespace", "dict", "range", "lipsum", "cycler", "joiner",
 })
 # fmt: on
-# Special-token text in user strings is swapped for one private-use character each while the
-# template runs (Supplementary Private Use Area-A), then encoded as plain text.
-_SENTINEL_FIRST, _SENTINEL_LAST = 0xF0000, 0xFFFFD
-_SENTINEL_CLASS = "[\U000f0000-\U000ffffd]"
-_SENTINEL_SPLIT = re.compile(f"({_SENTINEL_CLASS})")
-_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker, so the cut matches
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # Inputs up to this many characters (strings plus one per value) render in the caller's
 # thread: a few milliseconds at worst (tokenizing new text is most of it), where a hop to
 # the pool and back costs a busy event loop far more per request than a short render
@@ -79,172 +80,6 @@ class RenderedChat:
 
     text: str
     token_ids: list[int]
-
-
-def _mentions_content(node: jinja2.nodes.Node, aliases: set[str]) -> bool:
-    kinds = (jinja2.nodes.Getattr, jinja2.nodes.Getitem, jinja2.nodes.Name)
-    for n in [node, *node.find_all(kinds)]:
-        key = getattr(n.arg, "value", None) if isinstance(n, jinja2.nodes.Getitem) else None
-        key = getattr(n, "attr", key)
-        if key == "content" or (isinstance(n, jinja2.nodes.Name) and n.name in aliases):
-            return True
-    return False
-
-
-def _iterates_content(ast: jinja2.nodes.Template) -> bool:
-    """Whether the template loops over message content, i.e. takes OpenAI-style content parts.
-    Templates that only concatenate content get the text parts joined into a string instead."""
-    aliases: set[str] = set()
-    for assign in ast.find_all(jinja2.nodes.Assign):
-        if isinstance(assign.target, jinja2.nodes.Name) and _mentions_content(assign.node, set()):
-            aliases.add(assign.target.name)
-    return any(_mentions_content(loop.iter, aliases) for loop in ast.find_all(jinja2.nodes.For))
-
-
-_PLAIN_SCALARS = frozenset({str, int, float, bool, type(None)})
-
-
-def _plain(value: Any) -> Any:
-    """Rebuild request data from plain JSON types, so no object with methods reaches a template."""
-    kind = type(value)
-    if kind in _PLAIN_SCALARS:
-        return value
-    if kind is dict:  # the common case, ahead of the slower ABC checks below
-        return {_plain(key): _plain(item) for key, item in value.items()}
-    if kind is list:
-        return [_plain(item) for item in value]
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, Mapping):
-        return {_plain(key): _plain(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(item) for item in value]
-    return f"<{type(value).__name__}>"
-
-
-def _any_string_matches(values: Iterable[Any], matches: Callable[[str], bool]) -> bool:
-    """Whether any string value (not dict keys, as in `_map_strings`) of plain request
-    data `matches`."""
-    stack = list(values)
-    while stack:
-        value = stack.pop()
-        kind = type(value)
-        if kind is str:
-            if matches(value):
-                return True
-        elif kind is dict:
-            stack.extend(value.values())
-        elif kind is list:
-            stack.extend(value)
-    return False
-
-
-def _fits_inline(values: Iterable[Any], budget: int) -> bool:
-    """Whether the request data holds at most `budget` characters (strings, keys included,
-    plus one per value); stops counting as soon as it is over."""
-    stack = list(values)
-    while stack:
-        value = stack.pop()
-        kind = type(value)
-        if kind is str:
-            budget -= len(value)
-        elif kind is dict or (kind is not list and isinstance(value, Mapping)):
-            budget -= len(value)
-            stack.extend(value.keys())
-            stack.extend(value.values())
-        elif kind is list or isinstance(value, list | tuple):
-            budget -= len(value)
-            stack.extend(value)
-        elif isinstance(value, str):
-            budget -= len(value)
-        if budget < 0:
-            return False
-    return True
-
-
-def _map_strings(value: Any, fn: Callable[[str], str]) -> Any:
-    """Apply `fn` to every string value (not dict keys) in plain request data."""
-    if isinstance(value, str):
-        return fn(value)
-    if isinstance(value, dict):
-        return {key: _map_strings(item, fn) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_map_strings(item, fn) for item in value]
-    return value
-
-
-def _has_tool_turns(messages: Any) -> bool:
-    """Whether a chat holds tool calls or tool results, which only a template that shows
-    tools renders faithfully."""
-    return isinstance(messages, list) and any(
-        isinstance(message, Mapping)
-        and (message.get("role") == "tool" or message.get("tool_calls"))
-        for message in messages
-    )
-
-
-def _flatten_content(content: list[Any]) -> str:
-    texts = []
-    for part in content:
-        if isinstance(part, str):
-            texts.append(part)
-        elif isinstance(part, dict) and part.get("type", "text") == "text":
-            if not isinstance(part.get("text"), str):
-                raise ChatTemplateError("a text content part needs a string 'text'")
-            texts.append(part["text"])
-        else:
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ChatTemplateError(f"content parts of type {kind!r} are not supported")
-    return "\n".join(texts)
-
-
-def _parse_tool_arguments(message: dict[str, Any]) -> None:
-    """OpenAI sends tool-call arguments as a JSON string; HF templates expect the object
-    (they `tojson` it), so a string that parses to an object is replaced by it, as vLLM does."""
-    for call in message.get("tool_calls") or []:
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict):
-            continue
-        arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                parsed = json.loads(arguments)
-            except ValueError:
-                continue  # malformed model output: render it as the string it is
-            if isinstance(parsed, dict):
-                function["arguments"] = parsed
-
-
-def _prepare_messages(messages: Any, content_parts: bool) -> list[dict[str, Any]]:
-    """transformers' normalization (drop None values, alias reasoning fields), then the
-    OpenAI-to-HF fixes: tool-call arguments as objects, and text parts joined into a string
-    for templates that treat content as a string."""
-    if not isinstance(messages, list) or not messages:
-        raise ChatTemplateError("messages must be a non-empty list")
-    prepared = []
-    for message in messages:
-        if type(message) is not dict and not isinstance(message, Mapping):
-            raise ChatTemplateError("each message must be an object")
-        message = {
-            _plain(key): _plain(value) for key, value in message.items() if value is not None
-        }
-        reasoning = None
-        for field in _REASONING_FIELDS:
-            if field in message:
-                reasoning = message[field]
-                break
-        if reasoning is not None:
-            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-        if not content_parts and type(message.get("content")) is list:
-            message["content"] = _flatten_content(message["content"])
-        if message.get("tool_calls"):
-            _parse_tool_arguments(message)
-        prepared.append(message)
-    return prepared
 
 
 class ChatRenderer:
@@ -292,18 +127,11 @@ class ChatRenderer:
         named = [("bos_token", tokenizer.bos_token), ("eos_token", tokenizer.eos_token)]
         named += [("unk_token", tokenizer.unk_token), ("pad_token", tokenizer.pad_token)]
         self._token_vars = {name: token for name, token in named if token is not None}
-        # Whitespace tokens (Gemma's "\n") are ordinary text in any template; never protect them.
-        protected = [t for t in tokenizer.special_tokens if t.strip()]
-        self._protect_re: re.Pattern[str] | None = None
-        self._protect_hint: re.Pattern[str] | None = None
-        if protected and not tokenize_special_text_in_content:
-            alternatives = "|".join(map(re.escape, sorted(protected, key=len, reverse=True)))
-            # User text that already holds sentinel characters is protected too, as itself.
-            self._protect_re = re.compile(f"{alternatives}|{_SENTINEL_CLASS}")
-            # Any match starts with one of these characters. A one-class pattern scans fast,
-            # where the alternation above tries every token at every position.
-            first_chars = "".join(sorted({re.escape(token[0]) for token in protected}))
-            self._protect_hint = re.compile(f"[{first_chars}\U000f0000-\U000ffffd]")
+        self._special_text = (
+            None
+            if tokenize_special_text_in_content
+            else SpecialTextGuard.for_tokens(tokenizer.special_tokens)
+        )
         for template in (self.chat_template, self.tools_template):
             if template is not None:
                 # Compiled now rather than in the first request; a broken one fails per request.
@@ -404,7 +232,7 @@ class ChatRenderer:
             chat_template is None
             and with_tools_template
             and self.tools_template is not None
-            and (tools or _has_tool_turns(messages))
+            and (tools or has_tool_turns(messages))
         ):
             source = self.tools_template
         if source is None:
@@ -428,7 +256,7 @@ class ChatRenderer:
             self._render_now, source, chat_template is not None, messages,
             add_generation_prompt, continue_final_message, tools, documents, kwargs,
         )  # fmt: skip
-        inline = chat_template is None and _fits_inline(
+        inline = chat_template is None and fits_inline(
             (messages, tools, documents, kwargs), self.inline_max_chars
         )
         return call, inline
@@ -453,10 +281,10 @@ class ChatRenderer:
 
     def _compile_uncached(self, source: str) -> tuple[jinja2.Template, bool]:
         ast = self._env.parse_template(source)
-        return self._env.compile_template(ast), _iterates_content(ast)
+        return self._env.compile_template(ast), iterates_content(ast)
 
     def _content_parts_uncached(self, source: str) -> bool:
-        return _iterates_content(self._env.parse_template(source))
+        return iterates_content(self._env.parse_template(source))
 
     def _render_now(
         self,
@@ -474,16 +302,14 @@ class ChatRenderer:
             template, content_parts = None, self._content_parts(source)
         else:
             template, content_parts = self._compile(source)
-        chat = _prepare_messages(messages, content_parts)
-        tools, documents, kwargs = _plain(tools), _plain(documents), _plain(kwargs)
+        chat = prepare_messages(messages, content_parts)
+        tools, documents, kwargs = plain(tools), plain(documents), plain(kwargs)
         by_sentinel: dict[str, str] = {}
-        if self._protect_re is not None and _any_string_matches(
-            (chat, tools, documents, kwargs), self._needs_protection
-        ):
-            (chat, tools, documents, kwargs), by_sentinel = _protect(
-                (chat, tools, documents, kwargs), self._protect_re
+        if self._special_text is not None:
+            (chat, tools, documents, kwargs), by_sentinel = self._special_text.protect(
+                (chat, tools, documents, kwargs)
             )
-        final_text = _tag_final_message(chat) if continue_final_message else None
+        final_text = tag_final_message(chat) if continue_final_message else None
         context = {**self._token_vars, **kwargs, "messages": chat, "tools": tools}
         context.update(documents=documents, add_generation_prompt=add_generation_prompt)
         if template is not None:
@@ -495,75 +321,11 @@ class ChatRenderer:
             except ChatTemplateTimeout:  # one message, whichever side saw the deadline first
                 raise self._timeout() from None
         if final_text is not None:
-            text = _cut_after_final_message(text, final_text)
+            text = cut_after_final_message(text, final_text)
         return self._tokenize(text, by_sentinel)
 
-    def _needs_protection(self, text: str) -> bool:
-        assert self._protect_hint is not None and self._protect_re is not None
-        return self._protect_hint.search(text) is not None and (
-            self._protect_re.search(text) is not None
-        )
-
     def _tokenize(self, text: str, by_sentinel: dict[str, str]) -> RenderedChat:
-        tokenizer = self.tokenizer
         if not by_sentinel:
             # Nothing protected: one encode of the whole text, exactly as transformers does.
-            return RenderedChat(text, tokenizer.encode_text(text))
-        pieces, token_ids = [], []
-        for index, piece in enumerate(_SENTINEL_SPLIT.split(text)):
-            original = by_sentinel.get(piece) if index % 2 else None
-            if original is not None:
-                pieces.append(original)
-                token_ids += tokenizer.encode_plain(original)
-            elif piece:
-                pieces.append(piece)
-                token_ids += tokenizer.encode_text(piece)
-        return RenderedChat("".join(pieces), token_ids)
-
-
-def _protect(
-    values: tuple[Any, ...], pattern: re.Pattern[str]
-) -> tuple[tuple[Any, ...], dict[str, str]]:
-    """Swap each special-token text in the strings of `values` for a sentinel character;
-    returns the new values and sentinel -> original text."""
-    sentinels: dict[str, str] = {}
-
-    def sentinel(match: re.Match[str]) -> str:
-        text = match.group()
-        if text not in sentinels:
-            if _SENTINEL_FIRST + len(sentinels) > _SENTINEL_LAST:
-                raise ChatTemplateError("too many distinct special tokens in the request")
-            sentinels[text] = chr(_SENTINEL_FIRST + len(sentinels))
-        return sentinels[text]
-
-    marked = tuple(
-        _map_strings(value, lambda text: pattern.sub(sentinel, text)) for value in values
-    )
-    return marked, {mark: text for text, mark in sentinels.items()}
-
-
-def _tag_final_message(chat: list[dict[str, Any]]) -> str:
-    """Append transformers' marker to the final message's text; returns that text."""
-    content = chat[-1].get("content")
-    if isinstance(content, str):
-        chat[-1]["content"] = content + _CONTINUE_TAG
-        return content
-    if isinstance(content, list):
-        for part in reversed(content):
-            if isinstance(part, dict) and isinstance(part.get("text"), str):
-                text = part["text"]
-                part["text"] = text + _CONTINUE_TAG
-                return text
-    raise ChatTemplateError("continue_final_message needs a final message with text content")
-
-
-def _cut_after_final_message(text: str, final_text: str) -> str:
-    tag = _CONTINUE_TAG.strip()
-    if final_text.strip() not in text or tag not in text:
-        raise ChatTemplateError(
-            "continue_final_message: the chat template does not render the final message as given"
-        )
-    at = text.rindex(tag)
-    if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
-        return text[:at]
-    return text[:at].rstrip()  # the template trimmed the message, so trim our cut the same way
+            return RenderedChat(text, self.tokenizer.encode_text(text))
+        return RenderedChat(*encode_restored(self.tokenizer, text, by_sentinel))

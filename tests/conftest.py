@@ -7,7 +7,7 @@ import os
 import shutil
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -15,6 +15,9 @@ from hypothesis import HealthCheck, settings
 from shared.model_source import DEFAULT_MODEL, ModelNotFoundError, ModelSource, resolve_model
 from tests import running
 from tests.helpers.redis import redis_server
+
+if TYPE_CHECKING:
+    from tests.helpers.tiny_models import TinyModel
 
 __all__ = ["redis_server"]  # a fixture: a real redis-server for the whole session
 
@@ -54,6 +57,23 @@ def smollm2_tokenizer(smollm2_source: ModelSource) -> Any:
     from render_server.templating.tokenizer import Tokenizer
 
     return Tokenizer.from_source(smollm2_source)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """A tiny random Llama (untied embeddings, LlamaConfig's EOS 2, head_dim 16, GQA 2)
+    with a word-level tokenizer of its vocabulary: an engine on it runs in milliseconds a
+    step, on either attention backend, and fits the Triton interpreter. Shared by the
+    session: a test that changes the model (PEFT injects its layers in place) builds its own."""
+    from tests.helpers.tiny_models import save_tiny_model  # transformers: seconds to import
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", tokenizer="words")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_llama: TinyModel) -> Path:
+    """`tiny_llama`'s directory, for an `Engine` or a gpu-worker to serve."""
+    return tiny_llama.path
 
 
 # Fixtures too slow to build in the inner loop (`make test-fast`): a test that uses one is

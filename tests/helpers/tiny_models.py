@@ -1,17 +1,22 @@
 """Tiny random HF-format models, and a tiny paged runner to drive our models like the engine.
 
-The models are saved with transformers' `save_pretrained`, so our loader reads exactly what a
-real HF checkpoint holds. Weights are drawn larger than HF's init (std 0.02 leaves attention
-almost uniform, which would hide rotary or permutation bugs), norms and biases are perturbed
-from their ones/zeros init so a misplaced norm or a dropped bias shows in the logits.
+`save_tiny_model` is the one builder of a model directory in the tests: a random model of a
+family, saved with transformers' `save_pretrained` (so our loader reads exactly what a real
+HF checkpoint holds), with the tokenizer the test needs. `tiny_hf_model` is its in-memory
+half, for tests that write another format (GGUF) from the same weights.
+
+Weights are drawn larger than HF's init (std 0.02 leaves attention almost uniform, which
+would hide rotary or permutation bugs), norms and biases are perturbed from their ones/zeros
+init so a misplaced norm or a dropped bias shows in the logits.
 """
 
 from __future__ import annotations
 
+import copy
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal, NamedTuple, cast
 
 import torch
 import transformers
@@ -26,6 +31,10 @@ from gpu_worker.runner.kv_caches import allocate_kv_caches
 Family = Literal[
     "llama", "qwen2", "mistral", "qwen3", "mixtral", "qwen3_moe", "phi3", "gemma2", "gemma3"
 ]
+TokenizerKind = Literal["words", "bytes"]
+"""`save_tiny_model`'s tokenizers: "words" has one token per id of the model's vocabulary
+(an `Engine` serves it; no text), "bytes" is byte-level (render-serve and llguidance read
+text through it)."""
 
 _SIZES: dict[str, Any] = dict(
     vocab_size=256,
@@ -48,11 +57,31 @@ _FAMILY_SIZES: dict[str, dict[str, Any]] = {
     "gemma3": dict(head_dim=16, attn_implementation="eager"),
 }
 
+EOS, BOS, PAD = 256, 257, 258
+"""The specials of `save_byte_tokenizer`, after the 256 byte tokens."""
+BYTE_VOCAB_SIZE = 259
+SPECIAL_TOKENS = {"<eos>": EOS, "<bos>": BOS, "<pad>": PAD}
+# What a model's config takes to match the byte tokenizer: its vocabulary and specials.
+_BYTE_VOCAB: dict[str, Any] = dict(
+    vocab_size=BYTE_VOCAB_SIZE, eos_token_id=EOS, bos_token_id=BOS, pad_token_id=PAD
+)
+
+
+class TinyModel(NamedTuple):
+    """A saved tiny model: its directory, and transformers' fp32 (or `dtype`) model of the
+    same weights, the reference to compare against."""
+
+    path: Path
+    hf: transformers.PreTrainedModel
+
 
 def tiny_hf_model(
-    family: Family, *, tie_word_embeddings: bool, seed: int = 0, **overrides: Any
+    family: Family = "llama", *, tie_word_embeddings: bool = False, seed: int = 0, **overrides: Any
 ) -> transformers.PreTrainedModel:
-    """A random-weight transformers model of `family`, in fp32 eval mode."""
+    """A random-weight transformers model of `family`, in fp32 eval mode: the tiny sizes
+    above, then the family's, then `overrides` (any config field). The same arguments give
+    the same weights. `overrides` are copied first: transformers writes into a rope dict it
+    is given, and a caller's constant must not change under the next test."""
     config_cls = {
         "llama": transformers.LlamaConfig,
         "qwen2": transformers.Qwen2Config,
@@ -64,7 +93,7 @@ def tiny_hf_model(
         "gemma2": transformers.Gemma2Config,
         "gemma3": transformers.Gemma3TextConfig,
     }[family]
-    sizes = {**_SIZES, **_FAMILY_SIZES.get(family, {}), **overrides}
+    sizes = {**_SIZES, **_FAMILY_SIZES.get(family, {}), **copy.deepcopy(overrides)}
     config = config_cls(**sizes, tie_word_embeddings=tie_word_embeddings)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -85,36 +114,48 @@ def tiny_hf_model(
 
 def save_tiny_model(
     out_dir: Path,
-    family: Family,
+    family: Family = "llama",
     *,
-    tie_word_embeddings: bool,
-    max_shard_size: str | None = None,
+    tie_word_embeddings: bool = False,
+    tokenizer: TokenizerKind | None = None,
     seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: str | None = None,
     **overrides: Any,
-) -> tuple[Path, transformers.PreTrainedModel]:
-    """Save a tiny model to `out_dir` (sharded when `max_shard_size` is small); returns the
-    directory and the in-memory reference model."""
+) -> TinyModel:
+    """Write a tiny random `family` model (`tiny_hf_model`'s) to `out_dir` as a HF checkpoint.
+
+    - `tokenizer`: none (a loader's test), "words" over the model's vocabulary, or "bytes",
+      whose vocabulary and specials (`BYTE_VOCAB_SIZE`; `EOS`, `BOS`, `PAD`) the config takes.
+    - `dtype`: the weights are drawn in fp32 and saved (and returned) in this dtype.
+    - `max_shard_size`: small, for a sharded checkpoint with its index file.
+    - `overrides`: any config field, after the tiny sizes.
+    """
+    if tokenizer == "bytes":
+        overrides = {**_BYTE_VOCAB, **overrides}
     model = tiny_hf_model(family, tie_word_embeddings=tie_word_embeddings, seed=seed, **overrides)
+    if dtype != torch.float32:
+        model = model.to(dtype)
     kwargs: dict[str, Any] = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(out_dir, **kwargs)
-    return out_dir, model
+    if tokenizer == "words":
+        save_tiny_tokenizer(out_dir, model.config.vocab_size)
+    elif tokenizer == "bytes":
+        save_byte_tokenizer(out_dir)
+    return TinyModel(out_dir, model)
 
 
 def save_tiny_tokenizer(out_dir: Path, vocab_size: int) -> None:
     """A word-level `tokenizer.json` with one token per id, so an `Engine` (which identifies
-    its vocabulary by that file) can serve a tiny model directory."""
+    its vocabulary by that file) can serve a tiny model directory. `save_tiny_model` writes
+    it for `tokenizer="words"`; called alone, for a tokenizer over another vocabulary size
+    or beside a checkpoint saved another way."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {f"t{i}": i for i in range(vocab_size)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.save(str(out_dir / "tokenizer.json"))
-
-
-EOS, BOS, PAD = 256, 257, 258
-"""The specials of `save_byte_tokenizer`, after the 256 byte tokens."""
-BYTE_VOCAB_SIZE = 259
-SPECIAL_TOKENS = {"<eos>": EOS, "<bos>": BOS, "<pad>": PAD}
 
 
 def save_byte_tokenizer(out_dir: Path) -> None:

@@ -1,5 +1,5 @@
-"""Fixtures shared by unit tests: duet's CPU kernels, one thread, a tiny random Llama, and
-engines on it with and without speculation."""
+"""Fixtures shared by unit tests: duet's CPU kernels, one thread, and engines on the tiny
+random Llama (tests/conftest.py's `tiny_llama_dir`) with and without speculation."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import torch
 from gpu_worker import Engine
 from gpu_worker.ops.gguf_linear import load_extension
 from tests.helpers.spec_engines import METHODS, spec_engine
-from tests.helpers.tiny_models import save_tiny_model, save_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -32,17 +31,6 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(saved)
-
-
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Llama (untied embeddings, LlamaConfig's EOS 2) with a word-level
-    tokenizer of its vocabulary: an engine on it runs in milliseconds a step."""
-    out_dir, hf = save_tiny_model(
-        tmp_path_factory.mktemp("tiny-llama"), "llama", tie_word_embeddings=False
-    )
-    save_tiny_tokenizer(out_dir, hf.config.vocab_size)
-    return out_dir
 
 
 @pytest.fixture(scope="module")

@@ -13,19 +13,10 @@ from gpu_worker import Engine
 from gpu_worker.engine.errors import RequestRejected
 from shared.protocol import Generate, TokenLogprobs
 from shared.sampling import SamplingParams
-from tests.helpers.tiny_models import save_tiny_model, save_tiny_tokenizer
+from tests.helpers.tiny_models import TinyModel
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPT = [(7 * i + 3) % 250 + 3 for i in range(41)]  # 41 tokens: 2 full blocks and a tail
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    out_dir, hf = save_tiny_model(
-        tmp_path_factory.mktemp("tiny-llama"), "llama", tie_word_embeddings=False
-    )
-    save_tiny_tokenizer(out_dir, hf.config.vocab_size)
-    return out_dir, hf
 
 
 def _engine(model_dir: Path, **kwargs: Any) -> Engine:
@@ -33,9 +24,9 @@ def _engine(model_dir: Path, **kwargs: Any) -> Engine:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny: tuple[Path, Any]) -> Engine:
+def engine(tiny_llama: TinyModel) -> Engine:
     # A small step budget, so a prompt is prefilled in chunks of 16.
-    return _engine(tiny[0], max_num_batched_tokens=16)
+    return _engine(tiny_llama.path, max_num_batched_tokens=16)
 
 
 def _run(engine: Engine, request: Generate) -> list[Any]:
@@ -49,8 +40,8 @@ def _run(engine: Engine, request: Generate) -> list[Any]:
 # ---- priority ---------------------------------------------------------------------
 
 
-def test_priority_orders_a_full_batch(tiny: tuple[Path, Any]) -> None:
-    engine = _engine(tiny[0], max_num_seqs=1, scheduling_policy="priority")
+def test_priority_orders_a_full_batch(tiny_llama: TinyModel) -> None:
+    engine = _engine(tiny_llama.path, max_num_seqs=1, scheduling_policy="priority")
     assert engine.model_card.scheduling_policy == "priority"
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
 
@@ -108,18 +99,18 @@ def _assert_matches(
 
 
 def test_prompt_logprobs_match_transformers_across_chunks(
-    engine: Engine, tiny: tuple[Path, Any]
+    engine: Engine, tiny_llama: TinyModel
 ) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=4)
     deltas = _run(engine, Generate(request_id="pl", prompt_token_ids=PROMPT, sampling=params))
     first, *rest = deltas
     assert first.prompt_logprobs is not None
     assert all(d.prompt_logprobs is None for d in rest)
-    _assert_matches(first.prompt_logprobs, _reference(tiny[1], PROMPT), PROMPT, k=4)
+    _assert_matches(first.prompt_logprobs, _reference(tiny_llama.hf, PROMPT), PROMPT, k=4)
 
 
 def test_prompt_logprobs_skip_the_prefix_cache_and_leave_it_filled(
-    engine: Engine, tiny: tuple[Path, Any]
+    engine: Engine, tiny_llama: TinyModel
 ) -> None:
     prompt = [t + 1 for t in PROMPT]
     plain = _run(engine, Generate(request_id="warm", prompt_token_ids=prompt, sampling=GREEDY))
@@ -127,14 +118,14 @@ def test_prompt_logprobs_skip_the_prefix_cache_and_leave_it_filled(
     asked = _run(engine, Generate(request_id="pl0", prompt_token_ids=prompt, sampling=params))
     assert asked[0].num_cached_tokens == 0  # the cached blocks were not read
     assert asked[0].prompt_logprobs is not None
-    _assert_matches(asked[0].prompt_logprobs, _reference(tiny[1], prompt), prompt, k=0)
+    _assert_matches(asked[0].prompt_logprobs, _reference(tiny_llama.hf, prompt), prompt, k=0)
     assert [d.new_token_ids for d in asked] == [d.new_token_ids for d in plain]
     again = _run(engine, Generate(request_id="hit", prompt_token_ids=prompt, sampling=GREEDY))
     assert again[0].num_cached_tokens == 32
     assert again[0].prompt_logprobs is None
 
 
-def test_prompt_logprobs_in_a_mixed_batch(engine: Engine, tiny: tuple[Path, Any]) -> None:
+def test_prompt_logprobs_in_a_mixed_batch(engine: Engine, tiny_llama: TinyModel) -> None:
     short = PROMPT[:5]
     one = PROMPT[:1]
     completions = engine.generate(
@@ -148,11 +139,13 @@ def test_prompt_logprobs_in_a_mixed_batch(engine: Engine, tiny: tuple[Path, Any]
     )
     long, plain, single, reversed_ = completions
     assert long.prompt_logprobs is not None
-    _assert_matches(long.prompt_logprobs, _reference(tiny[1], PROMPT), PROMPT, k=2)
+    _assert_matches(long.prompt_logprobs, _reference(tiny_llama.hf, PROMPT), PROMPT, k=2)
     assert plain.prompt_logprobs is None
     assert single.prompt_logprobs == [None]
     assert reversed_.prompt_logprobs is not None
-    _assert_matches(reversed_.prompt_logprobs, _reference(tiny[1], PROMPT[::-1]), PROMPT[::-1], k=3)
+    _assert_matches(
+        reversed_.prompt_logprobs, _reference(tiny_llama.hf, PROMPT[::-1]), PROMPT[::-1], k=3
+    )
 
 
 # ---- allowed_token_ids and bad_words ----------------------------------------------
@@ -197,12 +190,12 @@ def test_filters_are_validated_against_the_vocabulary(engine: Engine) -> None:
         assert rejected.value.code == "invalid_request"
 
 
-def test_prompt_logprobs_survive_preemption_mid_prefill(tiny: tuple[Path, Any]) -> None:
+def test_prompt_logprobs_survive_preemption_mid_prefill(tiny_llama: TinyModel) -> None:
     # 10 blocks of 16 tokens. A decodes into its third block while B's 120-token prompt is
     # prefilled 15 tokens a step: B runs out of blocks mid-prefill, is preempted, and
     # recomputes from its first token once A is done.
     small = _engine(
-        tiny[0],
+        tiny_llama.path,
         kv_cache_memory_gb=10 * 8192 / (1 << 30),
         max_num_batched_tokens=16,
         enable_prefix_caching=False,
@@ -230,4 +223,4 @@ def test_prompt_logprobs_survive_preemption_mid_prefill(tiny: tuple[Path, Any]) 
                 break  # a is decoding: b arrives
     assert preempted_before_first_token
     for request_id, prompt in prompts.items():
-        _assert_matches(firsts[request_id], _reference(tiny[1], prompt), prompt, k=1)
+        _assert_matches(firsts[request_id], _reference(tiny_llama.hf, prompt), prompt, k=1)

@@ -66,7 +66,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 bench-render: $(STAMP)
-	$(VENV)/bin/python bench/render.py
+	$(VENV)/bin/python -m bench.render
 
 clean:
 	rm -rf $(VENV)

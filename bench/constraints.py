@@ -9,7 +9,7 @@ limits and budgets were chosen from, measured rather than quoted in its docstrin
 
 Times are this thread's CPU (medians), so the machine's load moves them little.
 
-    python bench/constraints.py [--repeats 3]
+    python -m bench.constraints [--repeats 3]
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 import llguidance
 import numpy
-from results_md import command_line, write_section
 
+from bench.common.results_md import command_line, write_section
 from render_server.templating.tokenizer import Tokenizer
 from shared.constraints import (
     INITIAL_LEXER_FUEL,

@@ -1,7 +1,7 @@
 """duet's CPU kernels (gpu_worker/ops/csrc/cpu_ops.cpp) against the torch paths they replace.
 
-    python bench/cpu_ops.py [--threads 1] [--repeats 15] [--no-write]
-    python bench/cpu_ops.py --kv-dtypes --threads 2   # --kv-cache-dtype: fp32, bf16, fp16
+    python -m bench.cpu_ops [--threads 1] [--repeats 15] [--no-write]
+    python -m bench.cpu_ops --kv-dtypes --threads 2   # --kv-cache-dtype: fp32, bf16, fp16
 
 Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64, hidden 576, 30 layers,
 16-token blocks). Attention times a decode step's attention over all 30 layers:
@@ -23,33 +23,26 @@ run. Writes the `kv_cache_dtype` section.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from gguf_gemv import timed
-from results_md import command_line, write_section
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gpu_worker.attention import torch_backend as attention  # noqa: E402
-from gpu_worker.attention.metadata import build_attention_metadata  # noqa: E402
-from gpu_worker.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from gpu_worker.ops import cpu_ops  # noqa: E402
-from gpu_worker.ops.gguf_linear import load_extension  # noqa: E402
+from bench.common.machine import cpu_model, cpu_name, load_average
+from bench.common.results_md import BENCH_DIR, command_line, write_section
+from bench.common.timing import median_ms
+from gpu_worker.attention import torch_backend as attention
+from gpu_worker.attention.metadata import build_attention_metadata
+from gpu_worker.attention.torch_backend import TorchAttentionBackend
+from gpu_worker.ops import cpu_ops
+from gpu_worker.ops.gguf_linear import load_extension
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, LAYERS, BLOCK = 9, 3, 64, 576, 30, 16
 EPS = 1e-5
-
-
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    return statistics.median(timed(fn, repeats)) * 1e3
 
 
 def compare(
@@ -163,7 +156,7 @@ def readme_tokens(count: int) -> list[int]:
     from render_server.templating.tokenizer import Tokenizer
     from shared.model_source import DEFAULT_MODEL, resolve_model
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (BENCH_DIR.parent / "README.md").read_text()
     tokens = Tokenizer.from_source(resolve_model(DEFAULT_MODEL)).encode(text)
     if len(tokens) < count:
         sys.exit(f"README.md has {len(tokens)} tokens, fewer than the {count} asked for")
@@ -188,8 +181,6 @@ def decode_rate(engine: Any, prompt: list[int], new_tokens: int) -> float:
 def kv_dtypes(args: argparse.Namespace) -> None:
     """Single-stream decode per KV cache dtype at 1k and 8k contexts, and the attention
     kernel alone; the `kv_cache_dtype` section of RESULTS.md."""
-    from engine import cpu_model, load_average
-
     from gpu_worker import Engine
 
     load_at_start = load_average()
@@ -289,11 +280,11 @@ def main() -> None:
             rows.append((f"{name}, 100 calls", f"{tokens} x {HIDDEN}", torch_ms, kernel_ms))
             print(rows[-1], flush=True)
 
-    cpu = platform.processor() or platform.machine()
+    cpu = cpu_name()
     lines = [
         "## CPU kernels (`bench/cpu_ops.py`)",
         "",
-        f"`python bench/cpu_ops.py --threads {args.threads}` on {cpu}"
+        f"`{command_line(['--threads', str(args.threads)])}` on {cpu}"
         f" ({torch.get_num_threads()} torch thread(s), torch {torch.__version__}). Torch side:"
         " attention = `TorchAttentionBackend` with the kernels off (plan, block gather, SDPA,"
         " `index_copy_` KV write); write_kv = two `index_copy_`; RMSNorm = `F.rms_norm`"

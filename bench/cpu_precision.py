@@ -1,6 +1,6 @@
 """--cpu-precision exact against fast, same process, alternating.
 
-    python bench/cpu_precision.py [--threads 2] [--repeats 3] [--no-write]
+    python -m bench.cpu_precision [--threads 2] [--repeats 3] [--no-write]
 
 Two parts:
 
@@ -25,37 +25,24 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
-from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from engine import Clock, build_workload, cpu_model, load_average, machine
-from results_md import command_line, write_section
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gpu_worker import Engine  # noqa: E402
-from gpu_worker.ops.cpu_precision import bf16_copy, bf16_instructions  # noqa: E402
-from gpu_worker.ops.linear import FAST_MIN_ROWS, Linear, fast_linear  # noqa: E402
-from render_server.templating.chat_template import ChatRenderer  # noqa: E402
-from render_server.templating.tokenizer import Tokenizer  # noqa: E402
-from shared.model_source import DEFAULT_MODEL, resolve_model  # noqa: E402
-from shared.sampling import SamplingParams  # noqa: E402
+from bench.common.machine import cpu_model, load_average, machine
+from bench.common.results_md import command_line, write_section
+from bench.common.timing import Clock, median_ms
+from bench.common.workload import build_workload
+from gpu_worker import Engine
+from gpu_worker.ops.cpu_precision import bf16_copy, bf16_instructions
+from gpu_worker.ops.linear import FAST_MIN_ROWS, Linear, fast_linear
+from render_server.templating.chat_template import ChatRenderer
+from render_server.templating.tokenizer import Tokenizer
+from shared.model_source import DEFAULT_MODEL, resolve_model
+from shared.sampling import SamplingParams
 
 LAYER_ROWS = [1, 4, 8, 9, 16, 32, 64, 96, 256]
 PROJECTIONS = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down"}
-
-
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
 
 
 def layer_rows(engine: Engine, repeats: int) -> list[str]:

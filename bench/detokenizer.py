@@ -5,7 +5,7 @@ code, CJK, emoji), one id per step as a worker delivers them, with and without 4
 strings that never match (the worst case: every step searches and holds back). The naive
 baseline decodes the whole output every step and emits the new suffix.
 
-    python bench/detokenizer.py [--tokens 256] [--seqs 64] [--repeats 5]
+    python -m bench.detokenizer [--tokens 256] [--seqs 64] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -13,18 +13,16 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-from results_md import write_section
-
+from bench.common.machine import cpu_name
+from bench.common.results_md import BENCH_DIR, command_line, write_section
 from render_server.generation.detokenizer import _HAS_DECODE_STREAM, IncrementalDetokenizer
 from render_server.templating.tokenizer import Tokenizer
 from shared.model_source import DEFAULT_MODEL, resolve_model
 
-CORPUS = Path(__file__).resolve().parents[1] / "tests" / "data" / "tokenizer_corpus.json"
+CORPUS = BENCH_DIR.parent / "tests" / "data" / "tokenizer_corpus.json"
 STOPS = ["\n\nUser:", "<|im_end|>", "###END###", "Observation: none of these occur here"]
 
 
@@ -95,7 +93,6 @@ def main() -> None:
         print(f"({ours / base:.1f}x)")
 
     backend = "tokenizers DecodeStream" if _HAS_DECODE_STREAM else "Python window"
-    argv = " ".join(sys.argv[1:])
     table = "\n".join(
         [
             "| case | IncrementalDetokenizer tok/s | full decode per step tok/s | ratio |",
@@ -105,8 +102,7 @@ def main() -> None:
     )
     body = (
         "## Detokenizer\n\n"
-        f"`python bench/detokenizer.py{' ' + argv if argv else ''}` — Python "
-        f"{platform.python_version()}, {platform.processor() or platform.machine()}, "
+        f"`{command_line()}` — Python {platform.python_version()}, {cpu_name()}, "
         f"{args.seqs} sequences × {args.tokens} SmolLM2 tokens fed one id per step, best of "
         f"{args.repeats}; decoder: {backend}. Stop strings never match, so every step "
         "searches and holds back.\n\n" + table

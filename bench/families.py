@@ -17,8 +17,8 @@ its per-step logits processing). Passes alternate between the two systems, `--re
 times; rates are over the median pass, in wall time and in process CPU time (one torch
 thread by default, so CPU time is what a contended core does not inflate).
 
-    python bench/families.py                         # every family, writes RESULTS.md
-    python bench/families.py --model qwen3 --no-write
+    python -m bench.families                         # every family, writes RESULTS.md
+    python -m bench.families --model qwen3 --no-write
 """
 
 from __future__ import annotations
@@ -38,8 +38,10 @@ from typing import Any
 
 import torch
 import transformers
-from results_md import command_line, write_section
 
+from bench.common.machine import load_average
+from bench.common.results_md import command_line, write_section
+from bench.common.timing import Clock
 from gpu_worker import Engine
 from gpu_worker.models import MODEL_REGISTRY
 from shared.protocol import Generate
@@ -180,22 +182,6 @@ def duet_decode(engine: Engine, batch: list[list[int]], steps: int) -> Clock:
     return elapsed
 
 
-@dataclass(frozen=True)
-class Clock:
-    """Wall and process-CPU seconds. With one torch thread the CPU time does not grow when
-    other jobs take the core away, so its ratio is the steadier one on a shared machine."""
-
-    wall: float
-    cpu: float
-
-    @classmethod
-    def now(cls) -> Clock:
-        return cls(time.perf_counter(), time.process_time())
-
-    def __sub__(self, other: Clock) -> Clock:
-        return Clock(self.wall - other.wall, self.cpu - other.cpu)
-
-
 @dataclass
 class Case:
     """Decode clocks of one family at one concurrency, per pass and system."""
@@ -254,10 +240,6 @@ def run_family(family: str, args: argparse.Namespace) -> tuple[list[Case], tuple
         del hf
         gc.collect()
     return cases, counts
-
-
-def load_average() -> str:
-    return " / ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def main() -> None:

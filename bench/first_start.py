@@ -8,7 +8,7 @@ tree to /ready. The clone builds its own CPU kernels (their build tag includes t
 path) into a scratch TORCH_EXTENSIONS_DIR, and pip's cache is off by default, so the install
 starts from nothing but the torch wheel this machine keeps on disk.
 
-    python bench/first_start.py [--keep-pip-cache]
+    python -m bench.first_start [--keep-pip-cache]
 """
 
 from __future__ import annotations
@@ -18,17 +18,16 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from subprocesses import free_port, wait_http_ok  # noqa: E402
+from bench.common.results_md import BENCH_DIR, RESULTS_DIR
+from bench.common.subprocesses import free_port, wait_http_ok
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = BENCH_DIR.parent
 READY_TIMEOUT_S = 900.0
 
 
@@ -74,7 +73,7 @@ def serve_until_answer(clone: Path, env: dict[str, str]) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--keep-pip-cache", action="store_true", help="let pip use its cache")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/first_start.json")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "first_start.json")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="duet-first-start-") as scratch:
         clone = Path(scratch) / "duet"

@@ -1,6 +1,6 @@
 """The GGUF CPU kernel (gpu_worker/ops/csrc/gguf_gemv.cpp) against dense fp32 `F.linear`.
 
-    python bench/gguf_gemv.py [--threads 1] [--rows 1 2 4 8 16 32] [--no-write]
+    python -m bench.gguf_gemv [--threads 1] [--rows 1 2 4 8 16 32] [--no-write]
         [--parts smollm2 types engine]
 
 Three parts, each kernel against dense fp32 in the same process, alternating:
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -44,15 +43,13 @@ import gguf
 import numpy as np
 import torch
 import torch.nn.functional as F
-from results_md import command_line, write_section
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine import load_average  # noqa: E402  (bench/engine.py)
-
-from gpu_worker.ops.gguf_linear import QuantizedWeight, load_extension  # noqa: E402
-from shared.model_source import DEFAULT_MODEL, resolve_model  # noqa: E402
-from tests.helpers.kquants import (  # noqa: E402
+from bench.common.machine import cpu_name, load_average
+from bench.common.results_md import command_line, write_section
+from bench.common.timing import timed
+from gpu_worker.ops.gguf_linear import QuantizedWeight, load_extension
+from shared.model_source import DEFAULT_MODEL, resolve_model
+from tests.helpers.kquants import (
     one_type,
     q4_k_m_type,
     quantize,
@@ -98,16 +95,6 @@ def load_weights(path: Path) -> dict[str, list[Pair]]:
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     out["lm_head"] = [pair([head])]
     return out
-
-
-def timed(fn: Callable[[], object], repeats: int) -> list[float]:
-    fn()  # first-call costs
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def compare(
@@ -345,7 +332,7 @@ def main() -> None:
             "",
             f"`{command}`",
             "",
-            f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+            f"Machine: {cpu_name()}, {os.cpu_count()} CPUs, "
             f"torch {torch.__version__}, {torch.get_num_threads()} torch thread(s); load "
             f"average {load_before} at the start, {load_average()} at the end. Each kernel "
             "time is one pass over all layers' weights of that projection (out of L1/L2); "

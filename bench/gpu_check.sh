@@ -8,14 +8,14 @@
 # It needs nothing from an earlier call: it finds the device's Python version first, installs
 # the carried wheels for that version into a fresh folder, writes a random-weight stand-in
 # for the built-in SmolLM2-135M there (same shapes, tokenizer and quantization types:
-# bench/random_model.py), then runs four steps, each under its own limit (the LIMITS below),
+# bench/offline/stand_ins.py), then runs four steps, each under its own limit (the LIMITS below),
 # never past BUDGET_S (520 s) in all:
 #   kernel-tests   tests/kernels (the engine tests aside), on CUDA
 #   engine-tests   tests/kernels/test_cuda_graphs.py, test_kv_sizing.py, test_lora_engine.py -m cuda:
 #                  graphs = eager, Triton ~ torch, the profiled KV budget holds at 0.95
-#   kernel-bench   bench/kernels.py: decode (batch 1/32/256 x context 1k/8k/32k) against copy
+#   kernel-bench   python -m bench.kernels: decode (batch 1/32/256 x context 1k/8k/32k) against copy
 #                  bandwidth and SDPA, prefill TFLOP/s against SDPA
-#   engine-bench   bench/gpu_engine.py: the engine with and without decode graphs at 1, 32 and
+#   engine-bench   python -m bench.gpu_engine: the engine with and without decode graphs at 1, 32 and
 #                  256 concurrent, on the built-in model's stand-in and a random 1B Llama (bf16),
 #                  and its time outside the forward at batch 256
 # Results, in $OUT (7 files; a device call returns at most 8): summary.json (each step's
@@ -84,7 +84,7 @@ finish() {
     wall=$(seconds_since "$started")
     local quick=()
     [ "$QUICK" = 1 ] && quick=(--quick)
-    "$PY" bench/gpu_check_report.py "$OUT" "$steps" --device "$DEVICE" --python "${pyver:-?}" \
+    "$PY" -m bench.gpu_check_report "$OUT" "$steps" --device "$DEVICE" --python "${pyver:-?}" \
         --budget "$BUDGET_S" --wall "$wall" "${quick[@]}"
     local rc=$?
     rm -rf "$work"
@@ -145,11 +145,11 @@ layers=()
     if [ "$DEVICE" = cuda ]; then nvidia-smi; fi
 } >"$OUT/setup.txt" 2>&1
 # Run by `step` (under `timeout`, which takes programs only): $1 python, $2 site, $3 wheels,
-# $4 the model manifest, then random_model.py's options.
+# $4 the model manifest, then bench.random_model's options.
 setup_script='
 "$1" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$2" "$3"/*.whl &&
 export PYTHONPATH="$2:$PWD" &&
-"$1" bench/random_model.py write "$4" "$2" "${@:5}" &&
+"$1" -m bench.random_model write "$4" "$2" "${@:5}" &&
 "$1" -c "import torch, triton, msgspec, zmq, gguf, llguidance
 print(\"torch\", torch.__version__, \"triton\", triton.__version__, \"cuda\", torch.cuda.is_available())"'
 step setup "${LIMITS[0]}" setup.txt bash -c "$setup_script" setup "$PY" "$site" "$wheels" "$manifest" \
@@ -189,7 +189,7 @@ fi
 if [ "$DEVICE" = cuda ]; then
     kernel_sizes=()
     [ "$QUICK" = 1 ] && kernel_sizes=(--quick)
-    step kernel-bench "${LIMITS[3]}" bench.txt "$PY" bench/kernels.py "${kernel_sizes[@]}"
+    step kernel-bench "${LIMITS[3]}" bench.txt "$PY" -m bench.kernels "${kernel_sizes[@]}"
     if [ "$QUICK" = 1 ]; then
         engine_sizes=(--models smollm2 --concurrency 1 32)
     else
@@ -200,5 +200,5 @@ else
     engine_sizes=(--device cpu --models smollm2 --concurrency 1 2 --max-output 8 --repeats 1
         --kv-cache-gb 0.25)
 fi
-step engine-bench "${LIMITS[4]}" bench.txt "$PY" bench/gpu_engine.py "${engine_sizes[@]}"
+step engine-bench "${LIMITS[4]}" bench.txt "$PY" -m bench.gpu_engine "${engine_sizes[@]}"
 finish

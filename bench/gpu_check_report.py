@@ -1,6 +1,6 @@
 """The end of bench/gpu_check.sh: one summary of its steps, and the RESULTS.md sections.
 
-    python bench/gpu_check_report.py OUT STEPS.tsv --device cuda --python cp312 --budget 480
+    python -m bench.gpu_check_report OUT STEPS.tsv --device cuda --python cp312 --budget 480
 
 STEPS.tsv has one line per step, as the script records it: name, status (passed, failed,
 timed out, skipped), exit code, seconds, time limit, and a detail (pytest's counts line, or

@@ -1,6 +1,6 @@
 """The engine on a GPU: decode CUDA graphs against eager, by concurrency and model size.
 
-    python bench/gpu_engine.py [--models smollm2 llama-1b] [--concurrency 1 32 256]
+    python -m bench.gpu_engine [--models smollm2 llama-1b] [--concurrency 1 32 256]
         [--max-output 128] [--repeats 2] [--kv-cache-gb 8] [--device cpu]
 
 For each model, two engines load once, one with decode CUDA graphs and one with
@@ -12,7 +12,7 @@ chat prompts (100-150 tokens), outputs uniform over 16..--max-output with ignore
 
 Models: `smollm2` is whatever `resolve_model` finds for the built-in model (on the device,
 bench/gpu_check.sh's random-weight stand-in at SmolLM2-135M's shapes and quantization);
-`llama-1b` is a random-weight Llama at Llama-3.2-1B's shapes in bf16 (bench/random_model.py),
+`llama-1b` is a random-weight Llama at Llama-3.2-1B's shapes in bf16 (bench/offline/stand_ins.py),
 written to a temporary folder; `llama-tiny` is the same code path at toy size for the CPU.
 
 Time outside the forward: at the largest concurrency, C requests of 64 tokens start together
@@ -29,29 +29,25 @@ from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from engine import build_workload, time_forward
-from random_model import write_random_llama
-from results_md import command_line, write_section
 
-# Run as `python bench/gpu_engine.py`: the repository root holds the packages.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gpu_worker import Engine  # noqa: E402
-from shared.protocol import Generate  # noqa: E402
-from shared.sampling import SamplingParams  # noqa: E402
+from bench.common.results_md import command_line, write_section
+from bench.common.workload import build_workload
+from bench.offline.engines import closed_loop, time_forward
+from bench.offline.stand_ins import write_random_llama
+from gpu_worker import Engine
+from shared.protocol import Generate
+from shared.sampling import SamplingParams
 
 OUTSIDE_TARGET = 0.10  # of a decode step at the largest batch, with graphs
 PROFILE_TOKENS = 64
@@ -105,51 +101,6 @@ def model_path(name: str, device: str, scratch: Path) -> str | None:
         return None
     shape = name.removeprefix("llama-")
     return str(write_random_llama(scratch / name, shape, device=device))
-
-
-def closed_loop(
-    engine: Engine,
-    prompts: list[list[int]],
-    output_lens: list[int],
-    concurrency: int,
-    *,
-    ignore_eos: bool = True,
-) -> tuple[float, list[list[int]]]:
-    """Keep `concurrency` requests in flight until every prompt is done; (seconds, outputs).
-    Greedy; each request runs to its output length, or to EOS when not `ignore_eos`."""
-    ids = itertools.count()
-    queue = deque(range(len(prompts)))
-    running: dict[str, int] = {}
-    outputs: list[list[int]] = [[] for _ in prompts]
-
-    def submit() -> None:
-        index = queue.popleft()
-        key = f"bench-{next(ids)}"
-        running[key] = index
-        sampling = SamplingParams(
-            temperature=0.0, max_tokens=output_lens[index], ignore_eos=ignore_eos
-        )
-        request = Generate(request_id=key, prompt_token_ids=prompts[index], sampling=sampling)
-        engine.add_request(request, key)
-
-    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    while queue and len(running) < concurrency:
-        submit()
-    while running:
-        for delta in engine.step():
-            index = running[delta.request_id]
-            outputs[index].extend(delta.new_token_ids)
-            if delta.finish_reason is not None:
-                del running[delta.request_id]
-                if queue:
-                    submit()
-    sync()
-    seconds = time.perf_counter() - start
-    if ignore_eos:
-        assert [len(o) for o in outputs] == output_lens, "the engine cut a request short"
-    return seconds, outputs
 
 
 def profile_steps(engine: Engine, prompts: list[list[int]]) -> StepProfile:

@@ -10,7 +10,7 @@
 #   wheels/cp310 .. wheels/cp313   those four for each CPython the device may run, at the
 #                                  versions installed here, so both sides run the same code
 #   smollm2.json.gz                the built-in model's metadata and tensor table (~0.4 MB),
-#                                  from which bench/random_model.py writes a random-weight
+#                                  from which bench.random_model writes a random-weight
 #                                  stand-in there instead of carrying the 98 MB GGUF
 # Then run the device check with carry [".gpucarry"] (see the top of bench/gpu_check.sh).
 # CARRY=DIR writes elsewhere and PYTHONS="3.11" limits the versions (the dry-run test does).
@@ -40,7 +40,7 @@ for python in "${PYTHONS[@]}"; do
 done
 
 model=$("$PY" -c "from shared.model_source import resolve_model as r; print(r('SmolLM2-135M-Instruct').path)")
-"$PY" bench/random_model.py describe "$model" "$CARRY/smollm2.json.gz"
+"$PY" -m bench.random_model describe "$model" "$CARRY/smollm2.json.gz"
 
 du -sh "$CARRY"/wheels/* "$CARRY/smollm2.json.gz"
 size_mib=$(du -sm "$CARRY" | cut -f1)

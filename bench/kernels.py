@@ -1,6 +1,6 @@
 """Triton attention kernels on a GPU, against baselines measured in the same run.
 
-    python bench/kernels.py [--quick]
+    python -m bench.kernels [--quick]
 
 Decode (`kernels.paged_attention.paged_decode_attention`): batch 1, 32, 256 x context 1k, 8k,
 32k; bf16, 32 query heads over 8 KV heads, head_dim 128, block size 16, blocks in random order.
@@ -29,10 +29,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from results_md import command_line, write_section
 
-# Run as `python bench/kernels.py`: the repository root holds the `kernels` package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common.results_md import command_line, write_section
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16

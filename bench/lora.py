@@ -1,6 +1,6 @@
 """The torch multi-LoRA add (gpu_worker/lora/batched.py) against the base projection it rides on.
 
-    python bench/lora.py [--threads 1] [--repeats 7] [--dtype fp32] [--no-write]
+    python -m bench.lora [--threads 1] [--repeats 7] [--dtype fp32] [--no-write]
 
 Shapes are SmolLM2-135M's (hidden 576, MLP 1536). Two tables, every time a median over
 repeats with all sides alternating in one process:
@@ -25,20 +25,15 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import platform
-import statistics
-import sys
-import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from results_md import command_line, write_section
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gpu_worker.lora.batched import LoRABatch  # noqa: E402
+from bench.common.machine import cpu_name
+from bench.common.results_md import command_line, write_section
+from bench.common.timing import median_ms_each
+from gpu_worker.lora.batched import LoRABatch
 
 HIDDEN, MLP = 576, 1536
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -55,25 +50,6 @@ LAYER_TARGETS = {  # name -> (in, out)
 LAYER_BASE = {"qkv_proj": (HIDDEN, 960), "o_proj": (HIDDEN, HIDDEN)}
 LAYER_BASE |= {"gate_up_proj": (HIDDEN, 2 * MLP), "down_proj": (MLP, HIDDEN)}
 GATHER_MAX_ROWS = 256
-
-
-def median_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Each function's median wall time in ms; the functions alternate within each repeat,
-    and each timing loops enough calls to last about a millisecond."""
-    loops = {}
-    for name, fn in fns.items():
-        fn()
-        start = time.perf_counter()
-        fn()
-        loops[name] = max(1, int(1e-3 / max(time.perf_counter() - start, 1e-7)))
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            for _ in range(loops[name]):
-                fn()
-            times[name].append((time.perf_counter() - start) / loops[name] * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def add_lora_per_slot(
@@ -162,7 +138,7 @@ def method_table(args: argparse.Namespace, dtype: torch.dtype) -> list[str]:
                         fns["gathered"] = functools.partial(
                             add_lora_gathered, y, x, s.a, s.b, s.scales, slots
                         )
-                    ms = median_ms(fns, args.repeats)
+                    ms = median_ms_each(fns, args.repeats, min_timing_s=1e-3, reverse=False)
                     gather = ms.get("gathered")
                     gather_ms = "-" if gather is None else f"{gather:.3f}"
                     gather_ratio = "-" if gather is None else f"{gather / ms['planned']:.2f}x"
@@ -233,7 +209,7 @@ def layer_share(args: argparse.Namespace, dtype: torch.dtype) -> list[str]:
             for call in calls:
                 call()
 
-        ms = median_ms(
+        ms = median_ms_each(
             {
                 "base": functools.partial(run_all, base_calls),
                 "planned": functools.partial(
@@ -242,6 +218,8 @@ def layer_share(args: argparse.Namespace, dtype: torch.dtype) -> list[str]:
                 "per-slot": functools.partial(run_all, per_slot_calls),
             },
             args.repeats,
+            min_timing_s=1e-3,
+            reverse=False,
         )
         lines.append(
             f"| {rows} | {adapters} | {ms['base']:.3f} | {ms['planned']:.3f} "
@@ -271,7 +249,7 @@ def main() -> None:
             "",
             f"`{command_line()}`",
             "",
-            f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+            f"Machine: {cpu_name()}, {os.cpu_count()} CPUs, "
             f"torch {torch.__version__}, {args.threads} torch thread(s), {args.dtype}. "
             f"Medians of {args.repeats}, all sides alternating in one process; rows spread "
             "round-robin over the adapters. Torch path only (the GPU runs kernels/lora.py).",

@@ -1,7 +1,7 @@
 """Host work per decode step: the model runner's batch preparation before and after its
 block tables became persistent rows (gpu_worker/runner/block_table.py).
 
-    python bench/prepare.py [--steps 48] [--passes 3] [--no-write]
+    python -m bench.prepare [--steps 48] [--passes 3] [--no-write]
 
 The baseline is the runner's old `_prepare`, kept here verbatim: every step it rebuilds
 every block table from the sequences' Python lists (numpy fill, then upload). The new
@@ -24,22 +24,19 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
 import torch
-from results_md import command_line, write_section
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gpu_worker.core.scheduler import ScheduledSequence  # noqa: E402
-from gpu_worker.core.sequence import Sequence as Seq  # noqa: E402
-from gpu_worker.runner.model_runner import ModelRunner  # noqa: E402
-from shared.sampling import SamplingParams  # noqa: E402
+from bench.common.machine import load_average
+from bench.common.results_md import command_line, write_section
+from gpu_worker.core.scheduler import ScheduledSequence
+from gpu_worker.core.sequence import Sequence as Seq
+from gpu_worker.runner.model_runner import ModelRunner
+from shared.sampling import SamplingParams
 
 BLOCK = 16
 CASES = [(64, 1024), (64, 8192), (256, 32768)]
@@ -113,7 +110,7 @@ def legacy_prepare(scheduled: list[ScheduledSequence]) -> list[torch.Tensor]:
 # ---- the workload ----------------------------------------------------------------------
 
 
-class Workload:
+class DecodeBatch:
     """`num_seqs` decoding sequences of about `context` tokens; `advance` is one step."""
 
     def __init__(self, num_seqs: int, context: int, num_steps: int) -> None:
@@ -137,10 +134,10 @@ class Workload:
 
 
 def per_step_ms(
-    num_seqs: int, context: int, num_steps: int, step_fn: Callable[[Workload], object]
+    num_seqs: int, context: int, num_steps: int, step_fn: Callable[[DecodeBatch], object]
 ) -> tuple[list[float], list[float]]:
     """(thread CPU ms, wall ms) of each of `num_steps` steps after an untimed first one."""
-    work = Workload(num_seqs, context, num_steps)
+    work = DecodeBatch(num_seqs, context, num_steps)
     step_fn(work)  # untimed: the new path writes every row once here
     cpu, wall = [], []
     for _ in range(num_steps):
@@ -159,7 +156,7 @@ def new_runner() -> ModelRunner:
 
 def run_case(num_seqs: int, context: int, num_steps: int, passes: int) -> dict[str, float]:
     """Median per-step CPU ms of each path (and wall ms as `<path>_wall`)."""
-    paths: dict[str, Callable[[], Callable[[Workload], object]]] = {
+    paths: dict[str, Callable[[], Callable[[DecodeBatch], object]]] = {
         "legacy": lambda: lambda w: legacy_prepare(w.items),
         "new": lambda: _eager_step(new_runner()),
         "host": lambda: _host_step(new_runner()),
@@ -173,11 +170,11 @@ def run_case(num_seqs: int, context: int, num_steps: int, passes: int) -> dict[s
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def _eager_step(runner: ModelRunner) -> Callable[[Workload], object]:
+def _eager_step(runner: ModelRunner) -> Callable[[DecodeBatch], object]:
     return lambda w: runner.upload(runner.prepare(w.items))
 
 
-def _host_step(runner: ModelRunner) -> Callable[[Workload], object]:
+def _host_step(runner: ModelRunner) -> Callable[[DecodeBatch], object]:
     return lambda w: runner.prepare(w.items)
 
 
@@ -188,7 +185,7 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    load_before = " / ".join(f"{x:.1f}" for x in _loadavg())
+    load_before = load_average()
     rows = []
     for num_seqs, context in CASES:
         result = run_case(num_seqs, context, args.steps, args.passes)
@@ -200,7 +197,7 @@ def main() -> None:
         )
         print(line, flush=True)
         rows.append(line)
-    load_after = " / ".join(f"{x:.1f}" for x in _loadavg())
+    load_after = load_average()
     body = "\n".join(
         [
             "## Host work per decode step (bench/prepare.py)",
@@ -231,15 +228,6 @@ def main() -> None:
     )
     if not args.no_write:
         write_section("prepare", body)
-
-
-def _loadavg() -> tuple[float, float, float]:
-    try:
-        import os
-
-        return os.getloadavg()
-    except OSError:
-        return (0.0, 0.0, 0.0)
 
 
 if __name__ == "__main__":

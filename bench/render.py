@@ -9,7 +9,7 @@
     against transformers' in-process rate. The load generator is `wrk` when installed
     (`apt-get install wrk`), else an httpx client, which costs more CPU than the server.
 
-    python bench/render.py [--seconds 3] [--no-http]
+    python -m bench.render [--seconds 3] [--no-http]
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import asyncio
 import itertools
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -31,9 +30,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from results_md import write_section
-from subprocesses import free_port, wait_http_ok
 
+from bench.common.machine import cpu_name
+from bench.common.results_md import command_line, write_section
+from bench.common.subprocesses import free_port, wait_http_ok
 from render_server.templating.chat_template import ChatRenderer
 from render_server.templating.tokenizer import Tokenizer
 from shared.model_source import DEFAULT_MODEL, resolve_model
@@ -303,8 +303,8 @@ def main() -> None:
     if not args.no_write:
         body = (
             "## Render + tokenize (bench/render.py)\n\n"
-            f"Command: `python bench/render.py --seconds {args.seconds:g}` on "
-            f"{platform.processor() or platform.machine()}, {len(CHAT)}-message chat "
+            f"Command: `{command_line(['--seconds', f'{args.seconds:g}'])}` on "
+            f"{cpu_name()}, {len(CHAT)}-message chat "
             f"({len(ours_ids)} tokens), SmolLM2 tokenizer, {os.cpu_count()} cores shared with "
             f"other work (load average {load:.1f} at the start). Each duet row is compared with "
             "the transformers row of the same inputs, timed in alternating 0.1 s slices; HTTP "

@@ -1,5 +1,5 @@
-"""The batched sampler against the one before issue 18 (kept below as the baseline), all
-in one process, in two modes.
+"""The batched sampler against the one before issue 18 (kept as the baseline in
+bench/offline/baseline_sampler.py), all in one process, in two modes.
 
 `--mode large` (issue 18): one step of a batch of 64 sequences over a 128,256-token
 vocabulary (Llama 3's), fp32 logits N(0, 4^2) per token (the top 1,024 hold about 94% of a
@@ -28,8 +28,8 @@ each):
 Each round calls every case once; the median call of `--rounds` rounds per case (the
 order reversed every other round).
 
-    python bench/sampler.py --mode large [--rounds 12] [--device cpu] [--no-write]
-    python bench/sampler.py --mode filters [--rounds 200] [--device cpu] [--no-write]
+    python -m bench.sampler --mode large [--rounds 12] [--device cpu] [--no-write]
+    python -m bench.sampler --mode filters [--rounds 200] [--device cpu] [--no-write]
 """
 
 from __future__ import annotations
@@ -39,140 +39,23 @@ import itertools
 import os
 import platform
 import random
-import statistics
 import time
 from collections.abc import Callable
-from collections.abc import Sequence as Rows
 from typing import Any
 
 import torch
-from results_md import command_line, write_section
 
+from bench.common.machine import load_average
+from bench.common.results_md import command_line, write_section
+from bench.common.timing import median_ms_each
+from bench.offline.baseline_sampler import BaselineSampler
 from gpu_worker.core.sequence import Sequence
-from gpu_worker.sampling.sampler import Sampler, SamplingRequest, new_sampler_state
-from gpu_worker.sampling.upload import upload
+from gpu_worker.sampling.sampler import Sampler, new_sampler_state
 from shared.sampling import SamplingParams
 
 BATCH = 32
 VOCAB = 49_152
 EOS = 2
-
-
-class DensePenalties:
-    """The baseline's penalties: a dense [n, vocab] count table rebuilt each step from
-    every output token of every penalized row, and a stack of cached prompt masks."""
-
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
-        self.vocab_size = vocab_size
-        self.device = device
-        self._prompt_masks: dict[str, torch.Tensor] = {}
-
-    def release(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            self._prompt_masks.pop(request_id, None)
-
-    def apply(
-        self, x: torch.Tensor, batch_rows: list[int], requests: list[SamplingRequest]
-    ) -> None:
-        n, vocab = x.shape
-        rows: list[int] = []
-        cols: list[int] = []
-        for row, s in zip(batch_rows, requests, strict=True):
-            rows.extend([row] * len(s.output_token_ids))
-            cols.extend(s.output_token_ids)
-        counts = torch.zeros(n, vocab, dtype=torch.float32, device=x.device)
-        if rows:
-            index = (upload(rows, torch.long, self.device), upload(cols, torch.long, self.device))
-            counts.index_put_(index, torch.ones(len(rows), device=x.device), accumulate=True)
-        in_output = counts > 0
-        rep, freq, presence = [1.0] * n, [0.0] * n, [0.0] * n
-        for row, s in zip(batch_rows, requests, strict=True):
-            rep[row] = s.sampling.repetition_penalty
-            freq[row] = s.sampling.frequency_penalty
-            presence[row] = s.sampling.presence_penalty
-        if any(r != 1.0 for r in rep):
-            masks = [torch.zeros(vocab, dtype=torch.bool, device=x.device)] * n
-            for row, s in zip(batch_rows, requests, strict=True):
-                if rep[row] != 1.0:
-                    masks[row] = self._prompt_mask(s)
-            seen = torch.stack(masks) | in_output
-            penalty = upload(rep, torch.float32, self.device)[:, None].expand(n, vocab)
-            penalized = torch.where(x > 0, x / penalty, x * penalty)
-            x.copy_(torch.where(seen, penalized, x))
-        f = upload(freq, torch.float32, self.device)
-        p = upload(presence, torch.float32, self.device)
-        x.sub_(f[:, None] * counts + p[:, None] * in_output)
-
-    def _prompt_mask(self, request: SamplingRequest) -> torch.Tensor:
-        mask = self._prompt_masks.get(request.request_id)
-        if mask is None:
-            mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
-            mask[upload(request.prompt_token_ids, torch.long, self.device)] = True
-            self._prompt_masks[request.request_id] = mask
-        return mask
-
-
-class BaselineSampler(Sampler):
-    """The sampler before issue 18: `DensePenalties`; top-k by a mask of the whole
-    vocabulary and top-p by its stable sort; an exponential race over the vocabulary whose
-    seeded rows draw one by one from their own `torch.Generator`. What issue 18 left alone
-    (masks, bias, logprobs) is the current code, so the two differ only where it changed."""
-
-    def __init__(self, vocab_size: int, device: torch.device, eos_token_ids: list[int]) -> None:
-        super().__init__(vocab_size, device, eos_token_ids)
-        self.penalties = DensePenalties(vocab_size, self.device)  # type: ignore[assignment]
-        self._generators: dict[str, torch.Generator] = {}
-
-    def _generator(self, request: SamplingRequest) -> torch.Generator | None:
-        seed = request.sampling.seed
-        if seed is None:
-            return None
-        generator = self._generators.get(request.request_id)
-        if generator is None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(seed)
-            self._generators[request.request_id] = generator
-        return generator
-
-    def _sample_random(self, x: torch.Tensor, states: Rows[SamplingRequest]) -> torch.Tensor:
-        params = [s.sampling for s in states]
-        x = x / self._upload([p.temperature for p in params], torch.float32)[:, None]
-        min_p = [p.min_p for p in params]
-        if any(m > 0.0 for m in min_p):
-            probs = torch.softmax(x, dim=-1)
-            floor = self._upload(min_p, torch.float32)[:, None] * probs.amax(-1, keepdim=True)
-            x.masked_fill_(probs < floor, float("-inf"))
-        top_k = [p.top_k if 0 < p.top_k < self.vocab_size else 0 for p in params]
-        if any(top_k):
-            values = torch.topk(x, max(top_k), dim=-1).values
-            kth = values.gather(
-                1, self._upload([max(k, 1) - 1 for k in top_k], torch.long)[:, None]
-            )
-            kth.masked_fill_(self._upload([k == 0 for k in top_k], torch.bool)[:, None], -torch.inf)
-            x.masked_fill_(x < kth, float("-inf"))
-        top_p = [p.top_p for p in params]
-        if any(p < 1.0 for p in top_p):
-            sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
-            sorted_probs = torch.softmax(sorted_x, dim=-1)
-            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            drop_sorted = mass_before >= self._upload(top_p, torch.float32)[:, None]
-            drop_sorted &= self._upload([p < 1.0 for p in top_p], torch.bool)[:, None]
-            drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
-            x.masked_fill_(drop, float("-inf"))
-        probs = torch.softmax(x, dim=-1)
-        q = torch.ones_like(probs)
-        generators = [self._generator(s) for s in states]
-        if any(g is None for g in generators):
-            _exponential_(q)
-        for row, generator in enumerate(generators):
-            if generator is not None:
-                q[row] = _exponential_(torch.empty(x.shape[1], device=x.device), generator)
-        q.clamp_min_(torch.finfo(torch.float32).tiny)
-        return (probs / q).max(dim=-1).indices
-
-
-def _exponential_(t: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    return t.uniform_(generator=generator).neg_().log1p_().neg_()
 
 
 def batch(
@@ -207,41 +90,12 @@ def batch(
     return seqs
 
 
-def call_s(fn: Callable[[], object], sync: Callable[[], None], clock: Callable[[], float]) -> float:
-    """Seconds of one call of `fn`, device work included."""
-    start = clock()
-    fn()
-    sync()
-    return clock() - start
-
-
-def median_ms(
-    cases: dict[str, Callable[[], object]],
-    rounds: int,
-    sync: Callable[[], None],
-    clock: Callable[[], float],
-) -> dict[str, float]:
-    """The median call of each case over `rounds` rounds."""
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    for fn in cases.values():  # warm up
-        fn()
-    # One call of each case per round, so load drifting on a shared machine hits every
-    # case alike, in reverse order every other round, so no case always follows the same
-    # one; the median call per case.
-    order = list(cases.items())
-    for _ in range(rounds):
-        for name, fn in order:
-            times[name].append(call_s(fn, sync, clock))
-        order.reverse()
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
-
-
-def machine(device: torch.device) -> str:
+def conditions(device: torch.device) -> str:
+    """The machine, the device and the clock the medians are in."""
     clock_name = "wall time" if device.type == "cuda" else "thread CPU time"
     return (
         f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, 1 torch "
-        f"thread, device {device}, {clock_name}, load average "
-        f"{' / '.join(f'{x:.1f}' for x in os.getloadavg())} at the end"
+        f"thread, device {device}, {clock_name}, load average {load_average()} at the end"
     )
 
 
@@ -308,7 +162,7 @@ def run_large(args: argparse.Namespace, device: torch.device) -> str:
     for name in LARGE_CASES:
         cases[f"{name}, baseline"] = step(BaselineSampler, name)
         cases[name] = step(Sampler, name)
-    ms = median_ms(cases, args.rounds, sync, clock)
+    ms = median_ms_each(cases, args.rounds, sync=sync, clock=clock)
     table = [
         f"| {name} | {ms[name + ', baseline']:.2f} | {ms[name]:.2f} | "
         f"**{ms[name] / ms[name + ', baseline']:.3f}** |"
@@ -319,13 +173,13 @@ def run_large(args: argparse.Namespace, device: torch.device) -> str:
         [
             "## sampler at batch 64 x 128k vocabulary (bench/sampler.py --mode large)",
             "",
-            f"`{command_line()}` — {machine(device)}; one `Sampler.sample` call on "
+            f"`{command_line()}` — {conditions(device)}; one `Sampler.sample` call on "
             f"{LARGE_BATCH} x {LARGE_VOCAB:,} fp32 logits, then one token appended to each "
             f"row (128-token prompts, 256 output tokens to start); every row of a batch "
             f"takes the options named; logits N(0, 4^2), flat ones N(0, 1). Baseline: the "
-            f"sampler before issue 18, kept in bench/sampler.py (`BaselineSampler`). Each "
-            f"round calls every case once, median call of {args.rounds} rounds. Ratio = "
-            f"this commit / baseline (below 1: faster).",
+            f"sampler before issue 18, kept in bench/offline/baseline_sampler.py "
+            f"(`BaselineSampler`). Each round calls every case once, median call of "
+            f"{args.rounds} rounds. Ratio = this commit / baseline (below 1: faster).",
             "",
             "| batch of 64 | baseline ms | this commit ms | ratio |",
             "|---|---:|---:|---:|",
@@ -395,7 +249,7 @@ def run_filters(args: argparse.Namespace, device: torch.device) -> str:
         "greedy, filtered, rebuilt": new(greedy_f, greedy_f[1:] + greedy_f[:1]),
         "greedy, logit_bias": new(greedy_b),
     }
-    ms = median_ms(cases, args.rounds, sync, clock)
+    ms = median_ms_each(cases, args.rounds, sync=sync, clock=clock)
     this_vs_old = "this commit vs baseline (before issue 18)"
     filtered = "8 rows allowed ids + 8 rows bad words"
     yardstick = "vs greedy, 16 rows logit_bias (the same path off the argmax shortcut)"
@@ -428,7 +282,7 @@ def run_filters(args: argparse.Namespace, device: torch.device) -> str:
         [
             "## sampler (bench/sampler.py)",
             "",
-            f"`{command_line()}` — {machine(device)}; one `Sampler.sample` call on a batch of "
+            f"`{command_line()}` — {conditions(device)}; one `Sampler.sample` call on a batch of "
             f"{BATCH} x {VOCAB:,} fp32 logits; each round calls every case once, median "
             f"call of {args.rounds} rounds. Ratio = first / second (below 1: faster).",
             "",

@@ -17,7 +17,7 @@ definitions, in one process: what one draft costs the engine's host side per req
 
 Thread CPU time, median call of `--calls` calls per case.
 
-    python bench/spec_drafters.py [--calls 40] [--no-write]
+    python -m bench.spec_drafters [--calls 40] [--no-write]
 """
 
 from __future__ import annotations
@@ -26,22 +26,18 @@ import argparse
 import os
 import platform
 import random
-import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
-from results_md import command_line, write_section
 
+from bench.common.machine import load_average
+from bench.common.results_md import command_line, write_section
+from bench.common.timing import median_ms
 from gpu_worker.spec_decode.config import SpeculativeConfig
 from gpu_worker.spec_decode.ngram import NgramProposer, ngram_draft
 from gpu_worker.spec_decode.suffix import SuffixProposer
-
-# Run as `python bench/spec_drafters.py`: the repository root holds the tests' references.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.helpers.spec_reference import naive_ngram_draft, naive_suffix_draft  # noqa: E402
+from tests.helpers.spec_reference import naive_ngram_draft, naive_suffix_draft
 
 VOCAB = 32_000
 NGRAM_MIN, NGRAM_MAX, K = 2, 5, 8
@@ -56,13 +52,10 @@ def naive_suffix(tokens: list[int], k: int, min_prob: float = 0.1) -> list[int]:
     return naive_suffix_draft(tokens, k, DEPTH, min_prob)
 
 
-def median_ms(calls: int, run: Callable[[int], object]) -> float:
-    times = []
-    for call in range(calls):
-        start = time.thread_time_ns()
-        run(call)
-        times.append(time.thread_time_ns() - start)
-    return statistics.median(times) / 1e6
+def median_call_ms(calls: int, run: Callable[[int], object]) -> float:
+    """Thread CPU ms of the median of `calls` calls of `run`, each given its call's index."""
+    index = iter(range(calls))
+    return median_ms(lambda: run(next(index)), calls, clock=time.thread_time, warmup=False)
 
 
 def ngram_row(
@@ -70,8 +63,8 @@ def ngram_row(
 ) -> tuple[str, str, float, float]:
     array = np.array(tokens, dtype=np.int32)
     assert ngram_draft(array, K, NGRAM_MIN, NGRAM_MAX) == naive_ngram(tokens, K)
-    fast = median_ms(calls, lambda _: ngram_draft(array, K, NGRAM_MIN, NGRAM_MAX))
-    slow = median_ms(max(3, calls // 4), lambda _: naive_ngram(tokens, K))
+    fast = median_call_ms(calls, lambda _: ngram_draft(array, K, NGRAM_MIN, NGRAM_MAX))
+    slow = median_call_ms(max(3, calls // 4), lambda _: naive_ngram(tokens, K))
     return (f"ngram {NGRAM_MIN}-{NGRAM_MAX}, {case}", f"{length} tokens", fast, slow)
 
 
@@ -91,7 +84,7 @@ def ngram_step_rows(calls: int, prompt: list[int]) -> list[tuple[str, str, float
     proposer.start_request("r", prompt)
     tokens = list(prompt)
     fast, slow = decode_steps(proposer, naive_ngram, tokens, output, calls)
-    from_list = median_ms(calls, lambda _: ngram_draft(tokens, K, NGRAM_MIN, NGRAM_MAX))
+    from_list = median_call_ms(calls, lambda _: ngram_draft(tokens, K, NGRAM_MIN, NGRAM_MAX))
     return [
         ("ngram step (append 1, draft 8), NgramProposer", size, fast, slow),
         ("ngram_draft on a list[int] (converted each call)", size, from_list, slow),
@@ -117,8 +110,8 @@ def decode_steps(
         tokens.append(output[call])
         naive(tokens, K)
 
-    fast = median_ms(calls, step)
-    slow = median_ms(calls, naive_step)
+    fast = median_call_ms(calls, step)
+    slow = median_call_ms(calls, naive_step)
     assert proposer.propose("r", K) == naive(tokens, K)
     return fast, slow
 
@@ -174,7 +167,7 @@ def suffix_rows(calls: int, rng: random.Random) -> tuple[list[tuple[str, str, fl
         cached.add_tokens(rid, [rng.randrange(2_000) for _ in range(64)])
         cached.finish_request(rid)
     cached.start_request("r", [rng.randrange(2_000) for _ in range(256)])
-    global_ms = median_ms(calls, lambda _: cached.propose("r", K))
+    global_ms = median_call_ms(calls, lambda _: cached.propose("r", K))
     notes.append(
         f"global cache fed 1,000 outputs x 64 tokens, holding the last "
         f"{len(cached.global_cache):,} ({cached.global_cache.trie.num_nodes:,} nodes, the "
@@ -192,7 +185,7 @@ def main() -> None:
     rows = ngram_rows(args.calls, rng)
     suffix, notes = suffix_rows(args.calls, rng)
     rows += suffix
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    load = load_average(", ")
     lines = [
         "## spec-drafters (bench/spec_drafters.py)",
         "",

@@ -13,23 +13,22 @@ ratios. The overhead share is the constrained run's time in `GrammarMasker.apply
 (computing masks on llguidance's threads, unpacking, -inf) and in advancing the matchers,
 over its decode time: a load-independent reading of the same cost.
 
-    python bench/structured.py                    # 32 requests x 96 tokens, 5 pairs
-    python bench/structured.py --quick            # 32 x 48, 1 pair
+    python -m bench.structured                    # 32 requests x 96 tokens, 5 pairs
+    python -m bench.structured --quick            # 32 x 48, 1 pair
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
-from results_md import command_line, write_section
 
+from bench.common.machine import load_average, machine
+from bench.common.results_md import command_line, write_section
 from gpu_worker import Engine
 from render_server.templating.chat_template import ChatRenderer
 from render_server.templating.tokenizer import Tokenizer
@@ -119,15 +118,6 @@ def run(
     return Run(decode_tokens, elapsed)
 
 
-def machine() -> str:
-    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-        f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, "
-        f"Python {platform.python_version()}, load average {load}"
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
@@ -155,7 +145,7 @@ def main() -> None:
     ]
     engine = Engine(model=args.model, device=args.device, max_num_seqs=args.concurrency)
     timers = [Timed(engine.sampler.grammar, "apply"), Timed(engine, "_advance_matchers")]
-    started = machine()
+    started = f"{machine()}, load average {load_average()}"
     run(engine, prompts[:4], 8, constrained=True, tag="warm")  # tokenizer view, first masks
     run(engine, prompts[:4], 8, constrained=False, tag="warm-free")
 
@@ -203,7 +193,8 @@ def main() -> None:
         [
             "## structured",
             "",
-            f"Machine: {started} at the start; {machine()} at the end; device {args.device}.",
+            f"Machine: {started} at the start; load average {load_average()} at the end; "
+            f"device {args.device}.",
             "",
             f"`{command.strip()}`: SmolLM2-135M-Instruct, {args.concurrency} concurrent chat "
             f"requests x {args.max_tokens} tokens (ignore_eos), temperature 0.7, seeded; the "

@@ -1,10 +1,9 @@
 """Speculative decoding on the engine: ngram, suffix and draft-model drafting against none.
 
-    python bench/speculative.py [--methods ngram suffix draft_model] [--concurrency 1 8]
-        [--repeats 2]
-    python bench/engine.py --speculative ngram suffix draft_model ...   (the same)
+    python -m bench.engine --speculative ngram suffix draft_model [--concurrency 1 8]
+        [--max-output 128] [--repeats 2] [--threads 2]
 
-Two workloads, each through closed-loop clients (bench/gpu_engine.py's `closed_loop`) on
+Two workloads, each through closed-loop clients (`bench.offline.engines.closed_loop`) on
 engines that differ only in `--speculative-config` (adaptive draft length, the default),
 taking turns:
 - copy-heavy: chat prompts asking to repeat a given text (prose and code), greedy, up to
@@ -27,21 +26,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-import torch
-from engine import build_workload, cpu_model, load_average, machine
-from gpu_engine import closed_loop
-from results_md import command_line, write_section
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gpu_worker import Engine  # noqa: E402
-from render_server.templating.chat_template import ChatRenderer  # noqa: E402
-from render_server.templating.tokenizer import Tokenizer  # noqa: E402
-from shared.model_source import DEFAULT_MODEL, resolve_model  # noqa: E402
+from bench.common.machine import cpu_model, load_average, machine
+from bench.common.results_md import command_line, write_section
+from bench.common.workload import build_workload
+from bench.offline.engines import closed_loop
+from gpu_worker import Engine
+from render_server.templating.chat_template import ChatRenderer
+from render_server.templating.tokenizer import Tokenizer
+from shared.model_source import DEFAULT_MODEL, resolve_model
 
 CONFIGS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
@@ -116,21 +110,6 @@ def run_case(
     return seconds, outputs, counts
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--methods", nargs="+", default=sorted(CONFIGS), choices=sorted(CONFIGS))
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--max-output", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--no-write", action="store_true")
-    args = parser.parse_args()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    run_speculative(args)
-    return 0
-
-
 def run_speculative(args: argparse.Namespace) -> None:
     """The comparison for `args.methods`, `args.concurrency`, `args.max_output` and
     `args.repeats`; the table goes to RESULTS.md unless `args.no_write`."""
@@ -203,7 +182,3 @@ def run_speculative(args: argparse.Namespace) -> None:
     print(body)
     if not args.no_write:
         write_section("speculative", body)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

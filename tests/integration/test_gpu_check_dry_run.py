@@ -2,7 +2,7 @@
 
 The script is one self-contained device call: the carried wheels for the running Python
 installed into a fresh folder, a random-weight stand-in for the built-in model
-(bench/random_model.py), the kernel and engine tests, the benchmarks, every result under
+(bench/offline/stand_ins.py), the kernel and engine tests, the benchmarks, every result under
 $OUT. Here the carry comes from bench/gpu_prepare.sh for this Python only (it downloads
 wheels, so the dry run is skipped where no package index answers), and `--device cpu
 --quick` must pass every step the CPU can run and say so in summary.json.
@@ -116,11 +116,11 @@ def test_stand_in_has_the_builtin_models_metadata_tensors_and_types(tmp_path: Pa
     real = _builtin_gguf()
     manifest = tmp_path / "model.json.gz"
     env = {"PYTHON": sys.executable}
-    describe = [sys.executable, "bench/random_model.py", "describe", str(real), str(manifest)]
+    describe = [sys.executable, "-m", "bench.random_model", "describe", str(real), str(manifest)]
     assert _run(describe, env, timeout=120).returncode == 0
     assert json.loads(gzip.decompress(manifest.read_bytes()))["source"] == real.name
     site = tmp_path / "site"
-    write = [sys.executable, "bench/random_model.py", "write", str(manifest), str(site)]
+    write = [sys.executable, "-m", "bench.random_model", "write", str(manifest), str(site)]
     done = _run([*write, "--num-layers", "1"], env, timeout=120)
     assert done.returncode == 0, done.stderr
 
@@ -146,14 +146,12 @@ def test_stand_in_has_the_builtin_models_metadata_tensors_and_types(tmp_path: Pa
 def test_random_llama_is_a_checkpoint_transformers_and_the_engine_read_alike(
     tmp_path: Path,
 ) -> None:
-    """bench/random_model.py's Llama (the device's 1B stand-in, here at toy size) is a real
+    """bench/offline/stand_ins.py's Llama (the device's 1B stand-in, here at toy size) is a real
     HF checkpoint: transformers and our engine load it and pick the same greedy tokens."""
     import torch
     import transformers
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    from random_model import write_random_llama
-
+    from bench.offline.stand_ins import write_random_llama
     from gpu_worker import Engine
     from shared.sampling import SamplingParams
 

@@ -1,4 +1,4 @@
-"""The attacker mix of bench/soak.py: what a hostile or broken client does beside the normal
+"""The attacker mix of bench/serving/soak.py: what a hostile or broken client does beside the normal
 traffic, each in its own loop until the soak ends, and a /health probe that times the
 server's event loop meanwhile.
 

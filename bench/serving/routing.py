@@ -11,8 +11,8 @@ response's `usage.prompt_tokens_details.cached_tokens`, and the workers' own hea
 counters `prefix_cache_hits / prefix_cache_queries`), TTFT (first streamed content),
 and how the requests spread over the workers.
 
-    python bench/routing.py                       # 16 conversations x 4 turns, both modes
-    python bench/routing.py --conversations 8 --turns 3
+    python -m bench.serving.routing               # 16 conversations x 4 turns, both modes
+    python -m bench.serving.routing --conversations 8 --turns 3
 
 writes the `routing` section of bench/RESULTS.md (unless `--no-write`).
 """
@@ -35,8 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from results_md import write_section
-from soak import WorkerProbe, start_render, start_worker, stop
+
+from bench.common.results_md import command_line, write_section
+from bench.common.subprocesses import stop
+from bench.serving.servers import WorkerProbe, start_render, start_worker
 
 MODEL = "SmolLM2-135M-Instruct"
 MODES = ("round_robin", "prefix")
@@ -232,9 +234,9 @@ def markdown(results: dict[str, ModeResult], args: argparse.Namespace, same: boo
     base, prefix = results["round_robin"], results["prefix"]
     requests = len(base.turns)
     lines = [
-        "## Routing: prefix affinity vs round robin (bench/routing.py)",
+        "## Routing: prefix affinity vs round robin (bench/serving/routing.py)",
         "",
-        f"Command: `python bench/routing.py{args.command_suffix}` on {platform.machine()}, "
+        f"Command: `{command_line(args.shown_args)}` on {platform.machine()}, "
         f"{os.cpu_count()} CPUs; two CPU gpu-workers (SmolLM2-135M fp32, "
         f"{args.worker_threads} torch thread each, {args.kv_cache_gb:g} GiB KV, started fresh "
         f"for each mode) behind one render-serve. Workload: {args.conversations} conversations "
@@ -287,7 +289,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-write", action="store_true", help="do not touch RESULTS.md")
     args = parser.parse_args()
-    args.command_suffix = "".join(f" {arg}" for arg in sys.argv[1:] if arg != "--no-write")
+    args.shown_args = [arg for arg in sys.argv[1:] if arg != "--no-write"]
 
     logs = Path(tempfile.mkdtemp(prefix="duet-routing-"))
     print(f"logs in {logs}", flush=True)

@@ -1,17 +1,13 @@
-"""How bench/serve.py reports: tables, plots, JSON files and the machine they ran on."""
+"""How bench/serving/serve.py reports: tables, plots and JSON files."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import platform
 import sys
 from pathlib import Path
 
-from serve_load import METRICS
-
-RESULTS_DIR = Path(__file__).with_name("results")
+from bench.serving.load import METRICS
 
 
 def fmt(value: float | None, digits: int = 1) -> str:
@@ -88,7 +84,3 @@ def _plain_json(value: object) -> object:
 def save_json(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(_plain_json(payload), indent=2, allow_nan=False) + "\n")
-
-
-def machine_line() -> str:
-    return f"Python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} cores"

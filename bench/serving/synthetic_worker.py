@@ -8,7 +8,7 @@ real wire protocol (`shared.protocol`) on a real ROUTER socket (`shared.transpor
 client each second. Every tick it gives each running request `--tokens-per-tick` tokens
 and sends one `Deltas` per client, as one engine step of a real worker would.
 
-    python bench/synthetic_worker.py --bind tcp://127.0.0.1:5599 --itl-ms 10
+    python -m bench.serving.synthetic_worker --bind tcp://127.0.0.1:5599 --itl-ms 10
 
 prints `synthetic-worker ready on ADDR` on stdout once bound.
 """

@@ -1,4 +1,4 @@
-"""Synthetic request sets for bench/serve.py, built locally from a seed (no downloads).
+"""Synthetic request sets for bench/serving/serve.py, built locally from a seed (no downloads).
 
 - `random_requests`: prompts of random token ids of a set length, sent as token ids to
   /v1/completions (as `vllm bench serve --dataset-name random`).

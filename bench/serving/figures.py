@@ -14,9 +14,11 @@ from dataclasses import asdict, dataclass, replace
 import httpx
 import numpy as np
 import psutil
-from results_md import command_line, write_section
-from serve_data import BenchRequest, chat_requests, random_requests
-from serve_load import (
+
+from bench.common.machine import machine_line
+from bench.common.results_md import BENCH_DIR, RESULTS_DIR, command_line, write_section
+from bench.serving.data import BenchRequest, chat_requests, random_requests
+from bench.serving.load import (
     busy_seconds,
     closed_loop,
     cpu_seconds,
@@ -25,8 +27,8 @@ from serve_load import (
     summarize,
     summarize_window,
 )
-from serve_report import RESULTS_DIR, fmt, machine_line, plot
-from serve_servers import BENCH_DIR, Launched, launch, served_model
+from bench.serving.report import fmt, plot
+from bench.serving.servers import Launched, launch, served_model
 
 # ---- figure 1: frontend tax ----------------------------------------------------------
 
@@ -244,9 +246,9 @@ def capacity_markdown(result: dict) -> str:
         "### Frontend capacity (one render-serve process, synthetic worker)",
         "",
         f"Command: `{result['command']}` — {result['machine']}. "
-        "`bench/synthetic_worker.py` (the real wire protocol, no model) gives every running "
-        "request one token per step, one `Deltas` per step; the step interval is set so the "
-        "offered load is the same at each concurrency. Closed loop: each stream sends its "
+        "`bench/serving/synthetic_worker.py` (the real wire protocol, no model) gives every "
+        "running request one token per step, one `Deltas` per step; the step interval is set so "
+        "the offered load is the same at each concurrency. Closed loop: each stream sends its "
         f"next request when the last ends; prompts of ~{result['input_len']} token ids, "
         f"~{result['output_len']} output tokens; {result['warmup_s']:g} s warm-up, then "
         f"{result['measure_s']:g} s measured. CPU is in cores used during the window; the "
@@ -379,7 +381,7 @@ def token_path_markdown(result: dict) -> str:
 
 def write_results_section() -> None:
     """The `serve` section of RESULTS.md, from whichever figures have been run."""
-    parts = ["## Serving (bench/serve.py)"]
+    parts = ["## Serving (bench/serving/serve.py)"]
     figures = (
         ("frontend_tax", tax_markdown),
         ("frontend_capacity", capacity_markdown),

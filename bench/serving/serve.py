@@ -4,16 +4,16 @@ OpenAI-compatible server, with per-request TTFT, TPOT, ITL and end-to-end latenc
 Sweep request rates (Poisson arrivals, or `inf` for all at once) and client
 concurrency against any base URL, or let the script start the servers:
 
-    python bench/serve.py --base-url http://127.0.0.1:8000 --dataset chat \\
+    python -m bench.serving.serve --base-url http://127.0.0.1:8000 --dataset chat \\
         --num-prompts 200 --request-rate inf 4 --max-concurrency 8 32 --goodput ttft:500 tpot:100
-    python bench/serve.py --launch real --num-prompts 64 --max-concurrency 8 32
-    python bench/serve.py --launch synthetic --itl-ms 10 --max-concurrency 64 256
+    python -m bench.serving.serve --launch real --num-prompts 64 --max-concurrency 8 32
+    python -m bench.serving.serve --launch synthetic --itl-ms 10 --max-concurrency 64 256
 
 and the two figures of the `serve` section of bench/RESULTS.md:
 
-    python bench/serve.py --figure frontend-tax       # HTTP tok/s / offline Engine tok/s
-    python bench/serve.py --figure frontend-capacity  # one render-serve, synthetic worker
-    python bench/serve.py --figure token-path         # chat text vs /inference/v1/generate
+    python -m bench.serving.serve --figure frontend-tax       # HTTP tok/s / offline Engine tok/s
+    python -m bench.serving.serve --figure frontend-capacity  # one render-serve, synthetic worker
+    python -m bench.serving.serve --figure token-path         # chat text vs /inference/v1/generate
 
 Timing: TTFT is the arrival of the first chunk carrying generated text; ITL is every gap
 between consecutive such chunks (a chunk holding several tokens counts once, as in
@@ -29,9 +29,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from results_md import command_line
-from serve_data import BenchRequest, chat_requests, random_requests
-from serve_figures import (
+from bench.common.machine import machine_line
+from bench.common.results_md import RESULTS_DIR, command_line
+from bench.serving.data import BenchRequest, chat_requests, random_requests
+from bench.serving.figures import (
     capacity_markdown,
     frontend_capacity,
     frontend_tax,
@@ -40,9 +41,9 @@ from serve_figures import (
     token_path_markdown,
     write_results_section,
 )
-from serve_load import open_loop, parse_goodput, run_coroutine, summarize
-from serve_report import RESULTS_DIR, machine_line, plot, save_json, sweep_table
-from serve_servers import launch, served_model
+from bench.serving.load import open_loop, parse_goodput, run_coroutine, summarize
+from bench.serving.report import plot, save_json, sweep_table
+from bench.serving.servers import launch, served_model
 
 # ---- a sweep -------------------------------------------------------------------------
 

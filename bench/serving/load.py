@@ -1,5 +1,5 @@
-"""The load generator of bench/serve.py: one streamed request timed chunk by chunk, open-
-and closed-loop load shapes, and the latency statistics vLLM's `bench serve` reports."""
+"""The load generator of bench/serving/serve.py: one streamed request timed chunk by chunk,
+open- and closed-loop load shapes, and the latency statistics vLLM's `bench serve` reports."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import httpx
 import msgspec
 import numpy as np
 import psutil
-from serve_data import BenchRequest
+
+from bench.serving.data import BenchRequest
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 

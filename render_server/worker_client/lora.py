@@ -5,8 +5,8 @@ An adapter's weights never pass through the render tier: a `LoadLoRA` names a pa
 worker's own disk (inside the worker's `--lora-root`), and the worker answers each
 operation with one `LoRAResult`. `LoRAOperations` keeps the adapters every worker should
 hold, sends the operations and matches the answers; the pool
-(render_server.worker_client.pool) feeds it its workers' welcomes, heartbeats, results and
-losses, all on the pool's event loop.
+(render_server.worker_client.pool) feeds it its workers' welcomes, results and losses, all
+on the pool's event loop.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shared.model_card import ModelCard
@@ -103,8 +102,8 @@ class LoRAOperations:
 
     Those adapters are the render server's --lora-modules, then every runtime load until its
     unload; each worker that welcomes us is asked to load them. A load or unload that
-    succeeded on a worker is applied at once to what its last heartbeat said (routing and
-    /v1/models see it) and kept applied until a heartbeat shows it.
+    succeeded on a worker is recorded on its link (`WorkerLink.record_adapter_change`), so
+    routing and /v1/models see it before the worker's heartbeats do.
     """
 
     def __init__(self, modules: Sequence[LoRAModule]) -> None:
@@ -201,8 +200,7 @@ class LoRAOperations:
         if pending is None or pending.link is not link:
             return  # answered after its deadline, or forged
         if result.ok:
-            link.lora_changes[pending.lora_name] = pending.action == "load"
-            self._apply_changes(link, heartbeat=False)
+            link.record_adapter_change(pending.lora_name, pending.action == "load")
         outcome = LoRAOutcome(link.address, result.ok, result.status, result.message)
         if pending.answer is not None:
             if not pending.answer.done():
@@ -219,14 +217,8 @@ class LoRAOperations:
                 result.message,
             )
 
-    def on_heartbeat(self, link: WorkerLink) -> None:
-        """After `link.stats` took a heartbeat's figures: re-apply what they do not show."""
-        if link.lora_changes:
-            self._apply_changes(link, heartbeat=True)
-
     def on_welcome(self, link: WorkerLink, card: ModelCard) -> None:
         """Ask a worker that just welcomed us to load every adapter workers should hold."""
-        link.lora_changes.clear()  # it may have restarted: its heartbeats say what it has
         if not self.paths:
             return
         if card.max_loras == 0:
@@ -248,25 +240,3 @@ class LoRAOperations:
                 del self._pending[op_id]
                 if pending.answer is not None and not pending.answer.done():
                     pending.answer.set_result(LoRAOutcome(link.address, False, 503, message))
-
-    def _apply_changes(self, link: WorkerLink, *, heartbeat: bool) -> None:
-        """Patch `link.stats` with the changes its heartbeats do not show yet; a change a
-        fresh heartbeat (`heartbeat`) shows is done with."""
-        stats = link.stats
-        if stats is None:
-            return
-        registered = list(stats.lora_registered)
-        resident = list(stats.lora_resident)
-        for name, loaded in list(link.lora_changes.items()):
-            if (name in registered) == loaded:
-                if heartbeat:  # the worker's own figures show it now
-                    del link.lora_changes[name]
-            elif loaded:
-                registered.append(name)
-            else:
-                registered.remove(name)
-                if name in resident:
-                    resident.remove(name)
-        link.stats = msgspec.structs.replace(
-            stats, lora_registered=registered, lora_resident=resident
-        )

@@ -32,13 +32,12 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import zmq
 
-from render_server.worker_client.link import WorkerLink
+from render_server.worker_client.link import WorkerLink, WorkerStatus
 from render_server.worker_client.lora import LoRAModule, LoRAOperations, LoRAOutcome
-from render_server.worker_client.request_stream import RequestStream, WorkerError, WorkerErrorCode
+from render_server.worker_client.request_stream import RequestStream, WorkerError
 from render_server.worker_client.routing import (
     PrefixAffinity,
     RoutingMode,
@@ -62,7 +61,6 @@ from shared.protocol import (
     Rejected,
     Welcome,
     WorkerMessageDecoder,
-    WorkerStats,
 )
 from shared.transport import CurveKeys, make_dealer
 
@@ -73,30 +71,6 @@ logger = logging.getLogger(__name__)
 _MAX_RESENDS = 3
 
 __all__ = ["RequestStream", "WorkerError", "WorkerPool", "WorkerStatus"]
-
-
-@dataclass
-class WorkerStatus:
-    """What the pool knows about one worker, for /ready, admin pages and tests."""
-
-    address: str
-    worker_id: str | None
-    model_card: ModelCard | None
-    connected: bool
-    """The worker answered Hello with an acceptable card."""
-    alive: bool
-    """Its messages arrive: connected and heard from within heartbeat_timeout_s."""
-    last_heartbeat: float
-    """Wall-clock time of its last Heartbeat (0 before the first)."""
-    stats: WorkerStats | None
-    outstanding: int
-    """Requests of this render process in flight on it."""
-    refused: bool = False
-    """Its card does not match our tokenizer (or model id); it is never routed to."""
-    draining: bool = False
-    """Removed from the pool's addresses: no new requests; closed once its streams end."""
-    in_flight_adapters: frozenset[str] = field(default_factory=frozenset)
-    """The LoRA adapters of this process's requests on it."""
 
 
 class WorkerPool:
@@ -199,7 +173,7 @@ class WorkerPool:
             return  # not running: start() connects to whatever is listed (close() ended it)
         for link in self._links:
             if link.address in removed:
-                link.draining = True
+                link.start_draining()
                 logger.info(
                     "worker %s removed: draining %d in-flight requests",
                     link.address,
@@ -208,7 +182,7 @@ class WorkerPool:
         for address in added:
             listed = next((link for link in self._links if link.address == address), None)
             if listed is not None:
-                listed.draining = False
+                listed.stop_draining()
                 logger.info("worker %s is listed again: back in service", address)
             else:
                 logger.info("worker %s added", address)
@@ -223,10 +197,7 @@ class WorkerPool:
                 await self._monitor
             self._monitor = None
         for link in self._links:
-            streams = list(link.streams.values())
-            for stream in streams:
-                link.abort(stream.request_id)
-                stream.fail(WorkerError("worker_lost", "the worker pool was closed"))
+            link.fail_streams("worker_lost", "the worker pool was closed")
             link.close()
         self._links.clear()
         if self._context is not None:
@@ -235,22 +206,7 @@ class WorkerPool:
 
     def statuses(self) -> list[WorkerStatus]:
         """One entry per connected worker, draining ones included, in order of connection."""
-        return [
-            WorkerStatus(
-                address=link.address,
-                worker_id=link.worker_id,
-                model_card=link.model_card,
-                connected=link.welcomed,
-                alive=link.alive,
-                last_heartbeat=link.last_heartbeat,
-                stats=link.stats,
-                outstanding=len(link.streams),
-                refused=link.refused,
-                draining=link.draining,
-                in_flight_adapters=frozenset(link.in_flight_adapters()),
-            )
-            for link in self._links
-        ]
+        return [link.status() for link in self._links]
 
     def is_ready(self) -> bool:
         """At least one accepted worker is alive (and not draining)."""
@@ -282,7 +238,7 @@ class WorkerPool:
         if hashes:
             self._affinity.record(hashes, link.address)
         stream = RequestStream(request, link)
-        link.streams[request_id] = stream
+        link.track(stream)
         link.send(request)
         return stream
 
@@ -328,21 +284,18 @@ class WorkerPool:
             self.bad_frames += 1
             logger.warning("dropped a bad frame from worker %s: %s", link.address, exc)
             return
-        link.last_seen = time.monotonic()
+        link.heard_from()
         if isinstance(message, Deltas):
             self._on_deltas(link, message)
         elif isinstance(message, Heartbeat):
-            link.stats = message.stats
-            self.lora.on_heartbeat(link)
-            link.last_heartbeat = time.time()
+            link.take_heartbeat(message.stats)
         elif isinstance(message, Rejected):
             self._on_rejected(link, message)
         elif isinstance(message, Welcome):
             self._on_welcome(link, message)
         elif isinstance(message, LoRAResult):
             self.lora.on_result(link, message)
-        if link.welcomed and not link.alive:
-            link.alive = True
+        if link.revive():
             logger.warning("worker %s is back", link.address)
 
     def _on_deltas(self, link: WorkerLink, message: Deltas) -> None:
@@ -357,11 +310,11 @@ class WorkerPool:
                 self.unknown_deltas += 1
                 continue
             if delta.finish_reason is not None:
-                del streams[delta.request_id]
+                link.untrack(delta.request_id)
             stream.push(delta)
 
     def _on_rejected(self, link: WorkerLink, rejected: Rejected) -> None:
-        stream = link.streams.pop(rejected.request_id, None)
+        stream = link.untrack(rejected.request_id)
         if rejected.code == "protocol":
             # It does not know us (restarted, or reaped us while we were paused):
             # introduce again, then resend on the same socket, which keeps them in order.
@@ -369,7 +322,7 @@ class WorkerPool:
             if stream is not None and stream.num_resends < _MAX_RESENDS:
                 stream.num_resends += 1
                 self.resends += 1
-                link.streams[stream.request_id] = stream
+                link.track(stream)
                 link.send(continuation(stream.request, stream.output_token_ids))
                 return
         if stream is not None and rejected.code == "queue_full":
@@ -397,16 +350,12 @@ class WorkerPool:
         if problem is not None:
             if not link.refused:
                 logger.error("refusing worker %s: %s", link.address, problem)
-            link.refused = True
-            link.welcomed = link.alive = False
-            self._fail_all(link, "worker_lost", f"worker {link.address} was refused: {problem}")
+            link.refuse()
+            link.fail_streams("worker_lost", f"worker {link.address} was refused: {problem}")
             return
         if not link.welcomed:
             logger.info("worker %s (%s) serves %s", link.address, welcome.worker_id, card.model_id)
-        link.refused = False
-        link.worker_id = welcome.worker_id
-        link.model_card = card
-        link.welcomed = link.alive = True
+        link.accept(welcome.worker_id, card)
         # A first heartbeat at once: from it on the worker frees our requests if we fall
         # silent (it cannot tell a client that never heartbeats from one that is gone).
         link.send(ClientHeartbeat(sent_at=time.time()))
@@ -433,7 +382,7 @@ class WorkerPool:
                     next_beat = now + self.heartbeat_interval_s
                     self._send_heartbeats()
                 for link in self._links:
-                    if link.alive and now - link.last_seen > self.heartbeat_timeout_s:
+                    if link.alive and link.seconds_silent(now) > self.heartbeat_timeout_s:
                         self._lose(link)
                 self._retire_drained()
             except Exception:  # the monitor must outlive any bug in one round
@@ -447,7 +396,7 @@ class WorkerPool:
         logger.warning("this render process was paused for %.1fs", paused_s)
         now = time.monotonic()
         for link in self._links:
-            link.last_seen = max(link.last_seen, now)
+            link.forgive_silence(now)
 
     def _send_heartbeats(self) -> None:
         beat = self._encoder.encode(ClientHeartbeat(sent_at=time.time()))
@@ -458,7 +407,7 @@ class WorkerPool:
             link.flush_backlog()
             if link.alive:
                 link.send_frame(beat)
-            elif now - link.hello_sent_at >= self.heartbeat_timeout_s:
+            elif link.seconds_since_hello(now) >= self.heartbeat_timeout_s:
                 # Not (or no longer) answering: it may have restarted and forgotten us.
                 # Not every beat, since ZMQ queues them all for a worker that is down.
                 self._say_hello(link)
@@ -487,13 +436,12 @@ class WorkerPool:
             self._links.remove(link)
 
     def _say_hello(self, link: WorkerLink) -> None:
-        link.hello_sent_at = time.monotonic()
-        link.send_frame(self._hello)
+        link.say_hello(self._hello)
 
     def _lose(self, link: WorkerLink, reason: str | None = None) -> None:
-        link.alive = False
+        link.mark_lost()
         self.lora.on_lost(link, f"worker {link.address} stopped responding")
-        silent = time.monotonic() - link.last_seen
+        silent = link.seconds_silent(time.monotonic())
         streams = list(link.streams.values())
         moved = 0
         for stream in streams:
@@ -520,13 +468,7 @@ class WorkerPool:
         links, loads = self._servers_of(stream.request, links)
         target = links[choose_worker(loads)]
         stream.move_to(target)
-        target.streams[stream.request_id] = stream
+        target.track(stream)
         target.send(continuation(stream.request, stream.output_token_ids))
         self.failovers += 1
         return True
-
-    def _fail_all(self, link: WorkerLink, code: WorkerErrorCode, message: str) -> None:
-        for stream in list(link.streams.values()):
-            # Aborted now so a worker that resumes frees their KV blocks at once.
-            link.abort(stream.request_id)
-            stream.fail(WorkerError(code, message))

@@ -126,13 +126,14 @@ def save_tiny_model(
     """Write a tiny random `family` model (`tiny_hf_model`'s) to `out_dir` as a HF checkpoint.
 
     - `tokenizer`: none (a loader's test), "words" over the model's vocabulary, or "bytes",
-      whose vocabulary and specials (`BYTE_VOCAB_SIZE`; `EOS`, `BOS`, `PAD`) the config takes.
+      whose vocabulary and specials (`BYTE_VOCAB_SIZE`; `EOS`, `BOS`, `PAD`) the config
+      takes over any in `overrides` (a family table's vocab_size, say).
     - `dtype`: the weights are drawn in fp32 and saved (and returned) in this dtype.
     - `max_shard_size`: small, for a sharded checkpoint with its index file.
     - `overrides`: any config field, after the tiny sizes.
     """
     if tokenizer == "bytes":
-        overrides = {**_BYTE_VOCAB, **overrides}
+        overrides = {**overrides, **_BYTE_VOCAB}
     model = tiny_hf_model(family, tie_word_embeddings=tie_word_embeddings, seed=seed, **overrides)
     if dtype != torch.float32:
         model = model.to(dtype)

@@ -34,11 +34,7 @@ VOCAB = 256
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out_dir, _ = save_tiny_model(
-        tmp_path_factory.mktemp("target"), "llama", tie_word_embeddings=False
-    )
-    save_tiny_tokenizer(out_dir, VOCAB)
-    return out_dir
+    return save_tiny_model(tmp_path_factory.mktemp("target"), "llama", tokenizer="words").path
 
 
 @pytest.fixture(scope="module")

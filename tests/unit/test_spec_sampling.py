@@ -19,14 +19,7 @@ from shared.constraints import new_matcher
 from shared.protocol import Constraint, Generate
 from shared.sampling import SamplingParams
 from tests.helpers.spec_engines import METHODS, spec_engine
-from tests.helpers.tiny_models import (
-    BOS,
-    BYTE_VOCAB_SIZE,
-    EOS,
-    PAD,
-    save_byte_tokenizer,
-    save_tiny_model,
-)
+from tests.helpers.tiny_models import EOS, save_tiny_model
 
 # Prompts that repeat themselves, so drafts from the prompt and output get accepted.
 PROMPTS = [
@@ -64,17 +57,7 @@ def _params(case: dict[str, Any], max_tokens: int = 30) -> list[SamplingParams]:
 @pytest.fixture(scope="module")
 def byte_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny model over byte tokens, whose vocabulary llguidance can read."""
-    out_dir, _ = save_tiny_model(
-        tmp_path_factory.mktemp("tiny-byte-llama"),
-        "llama",
-        tie_word_embeddings=False,
-        vocab_size=BYTE_VOCAB_SIZE,
-        eos_token_id=EOS,
-        bos_token_id=BOS,
-        pad_token_id=PAD,
-    )
-    save_byte_tokenizer(out_dir)
-    return out_dir
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-byte-llama"), tokenizer="bytes").path
 
 
 def _assert_same(got: list[Completion], want: list[Completion]) -> None:

@@ -1,25 +1,24 @@
 """The render tier's connection to its gpu-workers: handshake, routing, streams, liveness.
 
-One DEALER per worker, all driven from the asyncio loop without a task per message: the
-socket's file descriptor is watched with `loop.add_reader`, and the callback drains every
-queued frame, decodes it and fans each request's delta out to its `RequestStream` (a
-deque plus a future to wake the one consumer). A single monitor task sends
-`ClientHeartbeat`s, re-sends `Hello` to workers that have not (or no longer) answered, and
-marks a worker dead when its messages stop for `heartbeat_timeout_s` (but not for the
-time this process itself was paused, e.g. SIGSTOP: the silence was ours).
+One DEALER per worker (`render_server.worker_client.link`), all driven from the asyncio
+loop without a task per message: the socket's file descriptor is watched with
+`loop.add_reader`, and the callback drains every queued frame, decodes it and fans each
+request's delta out to its `RequestStream` (a deque plus a future to wake the one consumer).
+A single monitor task (`render_server.worker_client.liveness`) sends `ClientHeartbeat`s,
+re-sends `Hello` to workers that have not (or no longer) answered, and marks a worker dead
+when its messages stop for `heartbeat_timeout_s`.
 
-A worker that forgot this render server (it restarted, or reaped us while we were paused)
-answers a request with `Rejected("protocol")`: the pool greets it again and resends the
-request where it stopped, so a paused render server resumes its streams.
+A dead worker's requests, and those a worker rejected because it forgot this render server
+or its queue is full, go on elsewhere (`render_server.worker_client.failover`), so a paused
+render server resumes its streams.
 
 LoRA adapters: the pool's `LoRAOperations` (render_server.worker_client.lora) keeps the
 adapters every worker should hold and runs `load_lora` / `unload_lora` on every worker; the
-pool feeds it welcomes, heartbeats, results and losses. A request for an adapter only goes
-to workers that register it.
+pool feeds it welcomes, results and losses. A request for an adapter only goes to workers
+that register it.
 
-Routing policy lives in `render_server.worker_client.routing`; this module only gathers its inputs.
-Streams are in `render_server.worker_client.request_stream`, sockets in
-`render_server.worker_client.link`.
+Routing policy lives in `render_server.worker_client.routing`; this module only gathers its
+inputs. Streams are in `render_server.worker_client.request_stream`.
 The set of workers may change while serving (`set_addresses`, fed by
 `render_server.worker_client.discovery`): a removed worker is drained, not cut off.
 """
@@ -35,19 +34,12 @@ from collections.abc import Sequence
 
 import zmq
 
+from render_server.worker_client.failover import Failover
 from render_server.worker_client.link import WorkerLink, WorkerStatus
+from render_server.worker_client.liveness import LivenessMonitor
 from render_server.worker_client.lora import LoRAModule, LoRAOperations, LoRAOutcome
 from render_server.worker_client.request_stream import RequestStream, WorkerError
-from render_server.worker_client.routing import (
-    PrefixAffinity,
-    RoutingMode,
-    WorkerLoad,
-    adapter_holders,
-    affinity_hashes,
-    choose_worker,
-    continuation,
-    round_robin,
-)
+from render_server.worker_client.routing import Router, RoutingMode
 from shared.model_card import ModelCard
 from shared.protocol import (
     ClientHeartbeat,
@@ -65,10 +57,6 @@ from shared.protocol import (
 from shared.transport import CurveKeys, make_dealer
 
 logger = logging.getLogger(__name__)
-
-# Resends of one request to workers that forgot this render server: enough for a pause
-# and a worker restart, without looping against a worker that keeps dropping us.
-_MAX_RESENDS = 3
 
 __all__ = ["RequestStream", "WorkerError", "WorkerPool", "WorkerStatus"]
 
@@ -101,7 +89,6 @@ class WorkerPool:
             raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
         self.addresses = list(dict.fromkeys(addresses))
         """The workers this pool routes to (draining ones excluded), in the order given."""
-        self.routing: RoutingMode = routing
         self.tokenizer_digest = tokenizer_digest
         self.model_id = model_id
         self.client_id = client_id
@@ -111,18 +98,23 @@ class WorkerPool:
         """Frames from workers that did not decode (dropped)."""
         self.unknown_deltas = 0
         """Deltas for requests no longer tracked (aborted or lost), dropped."""
-        self.failovers = 0
-        """Requests resumed on another worker after theirs was lost."""
-        self.resends = 0
-        """Requests resent to a worker that had forgotten this render server."""
         self._curve = curve
         self._identity = uuid.uuid4().bytes
         self._encoder = Encoder()
         self._decoder = WorkerMessageDecoder()
         self._hello = self._encoder.encode(Hello(client_id=client_id))
         self._links: list[WorkerLink] = []
-        self._affinity = PrefixAffinity()
-        self._rotation = 0
+        self._router = Router(routing)
+        self._failover = Failover(lambda: self._links, self._router, hello=self._hello)
+        self._liveness = LivenessMonitor(
+            lambda: self._links,
+            interval_s=heartbeat_interval_s,
+            timeout_s=heartbeat_timeout_s,
+            encode=self._encoder.encode,
+            hello=self._hello,
+            on_silent=self._lose,
+            after_round=self._retire_drained,
+        )
         self._model_card: ModelCard | None = None
         self._any_welcome = asyncio.Event()
         self._context: zmq.Context | None = None
@@ -130,6 +122,21 @@ class WorkerPool:
         self._monitor: asyncio.Task[None] | None = None
         self.lora = LoRAOperations(lora_modules)
         """The adapters every worker should hold and the operations in flight."""
+
+    @property
+    def routing(self) -> RoutingMode:
+        """How `submit` chooses a worker (`routing.RoutingMode`)."""
+        return self._router.mode
+
+    @property
+    def failovers(self) -> int:
+        """Requests resumed on another worker after theirs was lost."""
+        return self._failover.failovers
+
+    @property
+    def resends(self) -> int:
+        """Requests resent to a worker that had forgotten this render server."""
+        return self._failover.resends
 
     @property
     def model_card(self) -> ModelCard | None:
@@ -148,7 +155,7 @@ class WorkerPool:
         self._context = zmq.Context()
         for address in self.addresses:
             self._connect(address)
-        self._monitor = loop.create_task(self._monitor_loop(), name="duet-worker-monitor")
+        self._monitor = loop.create_task(self._liveness.run(), name="duet-worker-monitor")
         try:
             await asyncio.wait_for(self._any_welcome.wait(), ready_timeout_s)
         except TimeoutError:
@@ -225,33 +232,12 @@ class WorkerPool:
         if any(request_id in link.streams for link in self._links):
             raise ValueError(f"request {request_id!r} is already in flight")
         card = self._model_card
-        links, loads = self._servers_of(request, links)
-        if self.routing == "round_robin":
-            hashes = []  # blind to prefixes: no hashing cost, no affinity map
-            index = round_robin(len(links), self._rotation)
-        else:
-            hashes = affinity_hashes(request, card.block_size) if card is not None else []
-            preferred, _ = self._affinity.longest_match(hashes)
-            index = choose_worker(loads, preferred=preferred, rotation=self._rotation)
-        self._rotation += 1
-        link = links[index]
-        if hashes:
-            self._affinity.record(hashes, link.address)
+        loads = [link.load(request.lora_name) for link in links]
+        link = links[self._router.choose(request, loads, card.block_size if card else None)]
         stream = RequestStream(request, link)
         link.track(stream)
         link.send(request)
         return stream
-
-    def _servers_of(
-        self, request: Generate, links: list[WorkerLink]
-    ) -> tuple[list[WorkerLink], list[WorkerLoad]]:
-        """The links among `links` that `request` may go to, with their loads: for an
-        adapter, the workers that register it (resident ones first, unless round robin)."""
-        loads = [link.load(request.lora_name) for link in links]
-        if request.lora_name is None:
-            return links, loads
-        keep = adapter_holders(loads, resident_first=self.routing != "round_robin")
-        return [links[i] for i in keep], [loads[i] for i in keep]
 
     # ---- LoRA adapters ------------------------------------------------------------------
 
@@ -290,7 +276,7 @@ class WorkerPool:
         elif isinstance(message, Heartbeat):
             link.take_heartbeat(message.stats)
         elif isinstance(message, Rejected):
-            self._on_rejected(link, message)
+            self._failover.on_rejected(link, message)
         elif isinstance(message, Welcome):
             self._on_welcome(link, message)
         elif isinstance(message, LoRAResult):
@@ -312,30 +298,6 @@ class WorkerPool:
             if delta.finish_reason is not None:
                 link.untrack(delta.request_id)
             stream.push(delta)
-
-    def _on_rejected(self, link: WorkerLink, rejected: Rejected) -> None:
-        stream = link.untrack(rejected.request_id)
-        if rejected.code == "protocol":
-            # It does not know us (restarted, or reaped us while we were paused):
-            # introduce again, then resend on the same socket, which keeps them in order.
-            self._say_hello(link)
-            if stream is not None and stream.num_resends < _MAX_RESENDS:
-                stream.num_resends += 1
-                self.resends += 1
-                link.track(stream)
-                link.send(continuation(stream.request, stream.output_token_ids))
-                return
-        if stream is not None and rejected.code == "queue_full":
-            stream.num_queue_full += 1
-        if stream is not None and not (
-            # A full queue is this worker's state, not the request's fault: try another.
-            rejected.code == "queue_full"
-            and not stream.output_token_ids
-            and stream.num_queue_full < len(self._links)
-            and self._move(stream, exclude=link)
-        ):
-            error = f"worker {link.address} rejected the request: {rejected.message}"
-            stream.fail(WorkerError("rejected", error, reject_code=rejected.code))
 
     def _on_welcome(self, link: WorkerLink, welcome: Welcome) -> None:
         card = welcome.model_card
@@ -364,53 +326,7 @@ class WorkerPool:
         self.lora.on_welcome(link, card)
         self._any_welcome.set()
 
-    # ---- liveness ---------------------------------------------------------------------
-
-    async def _monitor_loop(self) -> None:
-        # Liveness is checked a few times per timeout, so a dead worker is noticed at most
-        # an eighth of the timeout late; heartbeats go out at their own interval.
-        period = min(self.heartbeat_interval_s, self.heartbeat_timeout_s / 8)
-        next_beat = time.monotonic() + self.heartbeat_interval_s  # start() sent Hello
-        last_round = time.monotonic()
-        while True:
-            try:
-                now = time.monotonic()
-                if now - last_round > period + self.heartbeat_timeout_s / 2:
-                    self._after_pause(now - last_round)
-                last_round = now
-                if now >= next_beat:
-                    next_beat = now + self.heartbeat_interval_s
-                    self._send_heartbeats()
-                for link in self._links:
-                    if link.alive and link.seconds_silent(now) > self.heartbeat_timeout_s:
-                        self._lose(link)
-                self._retire_drained()
-            except Exception:  # the monitor must outlive any bug in one round
-                logger.exception("worker monitor round failed")
-            await asyncio.sleep(period)
-
-    def _after_pause(self, paused_s: float) -> None:
-        """This process did not run for `paused_s` (SIGSTOP, a VM pause, a loop stall): its
-        workers' silence over that time says nothing about them. Each gets a fresh full
-        timeout, starting with what arrived meanwhile."""
-        logger.warning("this render process was paused for %.1fs", paused_s)
-        now = time.monotonic()
-        for link in self._links:
-            link.forgive_silence(now)
-
-    def _send_heartbeats(self) -> None:
-        beat = self._encoder.encode(ClientHeartbeat(sent_at=time.time()))
-        now = time.monotonic()
-        for link in self._links:
-            if link.refused:
-                continue
-            link.flush_backlog()
-            if link.alive:
-                link.send_frame(beat)
-            elif link.seconds_since_hello(now) >= self.heartbeat_timeout_s:
-                # Not (or no longer) answering: it may have restarted and forgotten us.
-                # Not every beat, since ZMQ queues them all for a worker that is down.
-                self._say_hello(link)
+    # ---- membership and losses -----------------------------------------------------------
 
     def _connect(self, address: str) -> WorkerLink:
         assert self._context is not None and self._loop is not None
@@ -424,7 +340,7 @@ class WorkerPool:
             on_disconnect=lambda lost: self._lose(lost, reason="its connection closed"),
         )
         self._links.append(link)
-        self._say_hello(link)
+        link.say_hello(self._hello)
         return link
 
     def _retire_drained(self) -> None:
@@ -435,40 +351,18 @@ class WorkerPool:
             link.close()
             self._links.remove(link)
 
-    def _say_hello(self, link: WorkerLink) -> None:
-        link.say_hello(self._hello)
-
     def _lose(self, link: WorkerLink, reason: str | None = None) -> None:
+        """The worker stopped answering (silent past the timeout, or its connection closed):
+        its LoRA operations fail, its requests move to other workers."""
         link.mark_lost()
         self.lora.on_lost(link, f"worker {link.address} stopped responding")
         silent = link.seconds_silent(time.monotonic())
-        streams = list(link.streams.values())
-        moved = 0
-        for stream in streams:
-            # Aborted there now, so a worker that resumes frees its KV blocks at once.
-            link.abort(stream.request_id)
-            if self._move(stream, exclude=link):
-                moved += 1
-            else:
-                stream.fail(WorkerError("worker_lost", f"worker {link.address} stopped responding"))
+        in_flight = len(link.streams)
+        moved = self._failover.evacuate(link)
         logger.warning(
             "worker %s %s: marked dead; %d of %d requests moved to other workers",
             link.address,
             reason or f"silent for {silent:.1f}s",
             moved,
-            len(streams),
+            in_flight,
         )
-
-    def _move(self, stream: RequestStream, exclude: WorkerLink) -> bool:
-        """Resume a stream on another live worker: the tokens it already streamed join
-        the prompt, so the client's stream goes on with nothing lost or repeated."""
-        links = [link for link in self._links if link is not exclude and link.is_routable]
-        if not links:
-            return False
-        links, loads = self._servers_of(stream.request, links)
-        target = links[choose_worker(loads)]
-        stream.move_to(target)
-        target.track(stream)
-        target.send(continuation(stream.request, stream.output_token_ids))
-        self.failovers += 1
-        return True

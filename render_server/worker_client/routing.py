@@ -1,8 +1,8 @@
 """Where a request goes: least outstanding work, with prefix-cache affinity.
 
-Pure functions and one small LRU map, no sockets, so the policy is tested in
-milliseconds (tests/unit/test_routing.py). `render_server.worker_client.pool` feeds them each
-worker's load and the prompt's prefix block hashes.
+Pure functions, one small LRU map and the `Router` that holds the policy's state, no
+sockets, so the policy is tested in milliseconds (tests/unit/test_routing.py).
+`render_server.worker_client.pool` feeds the router each candidate worker's load.
 
 The policy: a request for a LoRA adapter goes to a worker that can serve it, preferring
 one that holds it resident in a slot (`adapter_holders`). Among those, a worker whose KV
@@ -155,6 +155,50 @@ class PrefixAffinity:
             workers.move_to_end(block_hash)
         while len(workers) > self.capacity:
             workers.popitem(last=False)
+
+
+class Router:
+    """One pool's routing state: the prefix-affinity map and the rotation that spreads ties.
+
+    It chooses among the loads of the workers a request may go to (`WorkerLink.load`) and
+    answers with an index into them; which workers are candidates is the pool's business.
+    """
+
+    def __init__(self, mode: RoutingMode = "prefix") -> None:
+        self.mode: RoutingMode = mode
+        self._affinity = PrefixAffinity()
+        self._rotation = 0
+
+    def choose(self, request: Generate, loads: Sequence[WorkerLoad], block_size: int | None) -> int:
+        """Index in `loads` of the worker to send a new request to, remembering where its
+        prefix went. `block_size`: the workers' KV block size (None: not known yet, so no
+        prefix affinity)."""
+        servers = self._servers(request, loads)
+        candidates = [loads[i] for i in servers]
+        if self.mode == "round_robin":
+            hashes: list[BlockHash] = []  # blind to prefixes: no hashing cost, no affinity map
+            index = round_robin(len(candidates), self._rotation)
+        else:
+            hashes = affinity_hashes(request, block_size) if block_size is not None else []
+            preferred, _ = self._affinity.longest_match(hashes)
+            index = choose_worker(candidates, preferred=preferred, rotation=self._rotation)
+        self._rotation += 1
+        if hashes:
+            self._affinity.record(hashes, candidates[index].key)
+        return servers[index]
+
+    def choose_failover(self, request: Generate, loads: Sequence[WorkerLoad]) -> int:
+        """Index in `loads` of the worker to resume a request on: the least loaded one that
+        can serve it, whatever its prefixes."""
+        servers = self._servers(request, loads)
+        return servers[choose_worker([loads[i] for i in servers])]
+
+    def _servers(self, request: Generate, loads: Sequence[WorkerLoad]) -> list[int]:
+        """Indices in `loads` that `request` may go to: for an adapter, the workers that
+        register it (resident ones first, unless round robin)."""
+        if request.lora_name is None:
+            return list(range(len(loads)))
+        return adapter_holders(loads, resident_first=self.mode != "round_robin")
 
 
 def affinity_hashes(request: Generate, block_size: int) -> list[BlockHash]:

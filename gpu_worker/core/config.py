@@ -118,6 +118,13 @@ class EngineConfig:
     """Share of GPU memory the worker may use in all: weights, KV cache and activations."""
     attention_backend: str = "auto"
     """auto (triton on CUDA, torch on CPU), torch or triton."""
+    async_scheduling: bool = False
+    """Prepare step N+1 on the host while step N runs on the device: step N's sampled ids
+    stay on the device as step N+1's inputs, and the host reads them one step later.
+    Outputs are unchanged; a request that ends at step N may compute one more token,
+    which is dropped. Steps that need the previous token on the host (structured
+    outputs, penalties, bad_words, speculative decoding, tensor parallelism) run in
+    order (default: off until measured faster on a GPU; see bench/RESULTS.md)."""
     enforce_eager: bool = False
     """No CUDA graphs: run every decode step eagerly (graphs are used on CUDA only)."""
     cuda_graph_max_batch_size: int | None = None

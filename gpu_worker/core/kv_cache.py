@@ -248,14 +248,19 @@ class KVCacheManager:
             seq.block_table.append(self.pool.get_new_block().block_id)
         return True
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the blocks that `num_computed_tokens` has filled since the last call.
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Register the blocks the first `num_tokens` tokens (default: its computed ones)
+        have filled since the last call.
 
-        Called after a step, so a hash only ever points at KV that has been written.
+        Called after a step with the tokens it ended at, so a hash only ever points at KV
+        that has been written (`num_computed_tokens` may already count a step scheduled
+        after it).
         """
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        if num_tokens is None:
+            num_tokens = seq.num_computed_tokens
+        num_full = num_tokens // self.block_size
         start = self._num_hashed_blocks.get(seq.request_id, 0)
         events = self.pool.events
         run: BlockStored | None = None

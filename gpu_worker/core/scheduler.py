@@ -12,10 +12,18 @@ running sequences get the budget in key order, and `running[-1]` is preempted fi
 preempted sequence goes back into `waiting` at its key, under "fcfs" its front: nothing
 newer than it was admitted before it.
 
-Speculative decoding (`propose` given): a running sequence that decodes may get drafted
-tokens; it is scheduled for 1 + k tokens (its last known token and the k drafts) with KV
-slots for all of them, and `update` keeps the verified head (`verified`), setting its
-progress to the kept tokens and freeing the blocks only rejected drafts used.
+Progress advances when a sequence is scheduled, as in vLLM v1: `num_computed_tokens`
+counts the tokens of every scheduled step, and a step that samples leaves one token
+unresolved (`Sequence.num_unresolved`) until `update` appends it. With async scheduling
+the next step is scheduled before `update` of this one: a decoding sequence then computes
+its unresolved token, whose id the runner takes from the previous step's samples on the
+device, and a sequence that `update` then finds finished has its extra token dropped.
+
+Speculative decoding: a running sequence that decodes may carry drafts (the speculator
+proposes them into `Sequence.draft_token_ids` before `schedule`); it is scheduled for
+1 + k tokens (its last known token and the drafts the budget and the cache allow) with KV
+slots for all of them, and `update` keeps the verified head, setting its progress to the
+kept tokens and freeing the blocks only rejected drafts used.
 
 LoRA: the running set holds at most `max_loras` distinct adapters (the runner's slots).
 A waiting request of a further adapter is the one exception to head-of-line order: base
@@ -27,11 +35,12 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from gpu_worker.core.config import SchedulerConfig
 from gpu_worker.core.kv_cache import KVCacheManager
+from gpu_worker.core.outputs import ModelRunnerOutput
 from gpu_worker.core.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -90,12 +99,8 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         kv_cache_manager: KVCacheManager,
         eos_token_ids: Iterable[int] = (),
-        propose: Callable[[Sequence, int], list[int]] | None = None,
     ) -> None:
         self.config = scheduler_config
-        self.propose = propose
-        """Drafts for a decoding sequence, at most the given count (speculative decoding);
-        None: no speculation."""
         self.kv = kv_cache_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.num_cache_tokens = kv_cache_manager.num_blocks * kv_cache_manager.block_size
@@ -165,32 +170,12 @@ class Scheduler:
         return finished
 
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's batch. Sequences' progress advances in `update`, not here."""
+        """Pick this step's batch; each scheduled sequence's progress advances with it."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
 
         # Running first: they hold blocks, and decodes keep latency low.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = self._num_new_tokens(seq, seq.num_computed_tokens, budget)
-            drafts = self._drafts(seq, num_new, budget)
-            if drafts and self.kv.allocate_slots(seq, num_new + len(drafts)):
-                self._emit(out, seq, seq.num_computed_tokens, num_new + len(drafts), drafts)
-                budget -= num_new + len(drafts)
-                i += 1
-                continue
-            # No room for the drafts: decode plainly, preempting as without speculation.
-            while not self.kv.allocate_slots(seq, num_new):
-                victim = self.running.pop()  # the last in order; never one already scheduled
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
-                self._emit(out, seq, seq.num_computed_tokens, num_new)
-                budget -= num_new
-                i += 1
+        budget = self._schedule_running(out, budget)
 
         # Then admit waiting ones, unless this step had to preempt: blocks are short.
         adapters = self._running_adapters()
@@ -203,6 +188,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             seq = self.waiting[i]
+            if seq.num_unresolved:
+                break  # preempted with a token in flight: it returns once that is known
             if seq.lora_name is not None and (
                 waits_for_adapter or not self._adapter_fits(seq.lora_name, adapters)
             ):
@@ -225,7 +212,6 @@ class Scheduler:
             if seq.status == SequenceStatus.WAITING:  # its first step, not a recompute
                 seq.num_cached_tokens = num_cached
                 seq.first_scheduled_time = time.monotonic()
-            seq.num_computed_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=self._key)
             self._emit(out, seq, num_cached, num_new)
@@ -233,50 +219,77 @@ class Scheduler:
         out.finished_request_ids, self._left_running = self._left_running, []
         return out
 
-    def update(
-        self,
-        output: SchedulerOutput,
-        sampled: Mapping[str, int],
-        verified: Mapping[str, list[int]] | None = None,
-    ) -> list[Sequence]:
-        """Apply a finished step: advance progress, append sampled tokens, check stops.
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Give the running sequences their tokens in order, preempting from the back
+        when blocks run out; returns the budget left."""
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if self._ends_unresolved(seq):
+                i += 1  # its unresolved token ends it: nothing left to compute
+                continue
+            num_new = self._num_new_tokens(seq, seq.num_computed_tokens, budget)
+            drafts = self._drafts(seq, num_new, budget)
+            if drafts and self.kv.allocate_slots(seq, num_new + len(drafts)):
+                self._emit(out, seq, seq.num_computed_tokens, num_new + len(drafts), drafts)
+                budget -= num_new + len(drafts)
+                i += 1
+                continue
+            # No room for the drafts: decode plainly, preempting as without speculation.
+            while not self.kv.allocate_slots(seq, num_new):
+                victim = self.running.pop()  # the last in order; never one already scheduled
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self._emit(out, seq, seq.num_computed_tokens, num_new)
+                budget -= num_new
+                i += 1
+        return budget
 
-        `sampled` maps request_id to the new token of every sequence with `will_sample` and
-        no drafts; `verified` maps each one with drafts to the tokens it keeps (its accepted
-        drafts then the target's own token). Returns the sequences that got a token
-        (finished ones included, blocks freed).
+    def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[Sequence]:
+        """Apply a finished step: cache the blocks it filled, append its tokens, check stops.
+
+        `result` holds the tokens of every scheduled sequence that sampled: one, or for a
+        sequence with drafts the ones verification kept (its accepted drafts then the
+        target's token). Returns the sequences that got tokens (finished ones included,
+        blocks freed); a sequence that finished or was aborted since `schedule` has its
+        tokens dropped.
         """
         changed: list[Sequence] = []
         for item in output.scheduled:
             seq = item.seq
-            if seq.is_finished:  # aborted between schedule() and update()
+            if seq.is_finished:  # aborted, or ended by a step before this one
                 continue
-            if item.draft_token_ids:
-                assert verified is not None, "a step with drafts is verified"
-                self._keep_verified(output, seq, item, verified[seq.request_id])
-                changed.append(seq)
-                if seq.is_finished:
-                    self.running.remove(seq)
-                    self._left_running.append(seq.request_id)
-                    self._release(seq)
-                continue
-            seq.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
-            self.kv.cache_full_blocks(seq)
+            if seq.status == SequenceStatus.RUNNING:
+                end = item.num_computed_tokens + item.num_new_tokens - len(item.draft_token_ids)
+                self.kv.cache_full_blocks(seq, end)
             if not item.will_sample:
                 continue
-            token_id = sampled[seq.request_id]
-            seq.append_token(token_id)
-            self._check_stop(seq, token_id)
+            seq.num_unresolved -= 1
+            if item.draft_token_ids:
+                self._keep_verified(output, seq, result.sampled_token_ids[seq.request_id])
+            else:
+                token_id = result.sampled_token_ids[seq.request_id][0]
+                seq.append_token(token_id)
+                self._check_stop(seq, token_id)
             if seq.is_finished:
-                self.running.remove(seq)
-                self._left_running.append(seq.request_id)
-                self._release(seq)
+                self._leave(seq)
             changed.append(seq)
         return changed
 
-    def _keep_verified(
-        self, output: SchedulerOutput, seq: Sequence, item: ScheduledSequence, kept: list[int]
-    ) -> None:
+    def _leave(self, seq: Sequence) -> None:
+        """A sequence `update` finished leaves its queue (waiting when it was preempted
+        with a token in flight) and frees its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self._left_running.append(seq.request_id)
+        else:
+            self.waiting.remove(seq)
+        self._release(seq)
+
+    def _keep_verified(self, output: SchedulerOutput, seq: Sequence, kept: list[int]) -> None:
         """Append the verified tokens one by one, as plain decoding would have, stopping at
         the first that ends the sequence; KV stays valid up to the last kept draft."""
         for token_id in kept:
@@ -287,22 +300,37 @@ class Scheduler:
         # Every appended token but the last was an input of this step: its KV was written
         # (the last one's comes with the next step, as after a plain decode).
         seq.num_computed_tokens = seq.num_tokens - 1
-        self.kv.cache_full_blocks(seq)
+        self.kv.cache_full_blocks(seq, seq.num_computed_tokens)
         if not seq.is_finished and self.kv.trim(seq, seq.num_computed_tokens):
             output.shrunk_request_ids.append(seq.request_id)
 
     def _drafts(self, seq: Sequence, num_new: int, budget: int) -> list[int]:
-        """Drafts for `seq` this step, or none: only a decoding sequence (one new token, its
-        last) speculates, and no further than its output, the context and the budget allow,
-        so every kept token is one plain decoding could have produced."""
-        if self.propose is None or num_new != 1 or seq.num_computed_tokens != seq.num_tokens - 1:
+        """The drafts `seq` carries, as many as fit: only a decoding sequence (one new
+        token, its last) speculates, and no further than its output, the context and the
+        budget allow, so every kept token is one plain decoding could have produced."""
+        drafts = seq.draft_token_ids
+        if not drafts or num_new != 1 or seq.num_computed_tokens != seq.num_tokens - 1:
             return []
-        room = min(
+        return drafts[: min(self.draft_room(seq), budget - 1)]
+
+    def draft_room(self, seq: Sequence) -> int:
+        """The most drafts `seq` may verify in one step: its output and the context leave
+        room for them and the target's own token."""
+        return min(
             seq.sampling.max_tokens - seq.num_output_tokens - 1,
             self.max_seq_len - seq.num_tokens - 1,
-            budget - 1,
         )
-        return self.propose(seq, room) if room > 0 else []
+
+    def _ends_unresolved(self, seq: Sequence) -> bool:
+        """Its unresolved tokens reach max_tokens or the longest sequence: it finishes
+        with them, so another step would compute a token that is dropped."""
+        if not seq.num_unresolved:
+            return False
+        num_output = seq.num_output_tokens + seq.num_unresolved
+        return (
+            num_output >= seq.sampling.max_tokens
+            or seq.num_tokens + seq.num_unresolved >= self.max_seq_len
+        )
 
     def _running_adapters(self) -> set[str]:
         """The distinct adapters of the running sequences (empty when LoRA is off)."""
@@ -319,7 +347,7 @@ class Scheduler:
         return (seq.priority if self.by_priority else 0, seq.arrival_order)
 
     def _num_new_tokens(self, seq: Sequence, num_computed: int, budget: int) -> int:
-        num_new = min(seq.num_tokens - num_computed, budget)
+        num_new = min(seq.num_tokens + seq.num_unresolved - num_computed, budget)
         threshold = self.config.long_prefill_token_threshold
         return min(num_new, threshold) if threshold is not None else num_new
 
@@ -332,11 +360,16 @@ class Scheduler:
         drafts: list[int] | None = None,
     ) -> None:
         drafts = drafts or []
-        will_sample = num_computed + num_new - len(drafts) == seq.num_tokens
+        will_sample = num_computed + num_new - len(drafts) == seq.num_tokens + seq.num_unresolved
         out.scheduled.append(
             ScheduledSequence(seq, num_computed, num_new, will_sample, list(drafts))
         )
         out.num_batched_tokens += num_new
+        # Progress advances now, so a step scheduled before this one's `update` (async
+        # scheduling) starts where this one ends.
+        seq.num_computed_tokens = num_computed + num_new
+        if will_sample:
+            seq.num_unresolved += 1
 
     def _preempt(self, seq: Sequence) -> None:
         # Output tokens are kept: the recompute covers prompt + output, mostly from cache.

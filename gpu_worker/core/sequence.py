@@ -70,6 +70,12 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     """Tokens whose KV is in the cache; the next step computes from here."""
+    num_unresolved: int = 0
+    """Tokens sampled by scheduled steps that the host has not received yet: 1 from
+    scheduling to `update`, 2 while async scheduling runs a step ahead."""
+    draft_token_ids: list[int] = field(default_factory=list)
+    """Drafts proposed for the next step (speculative decoding, before `schedule`), which
+    the scheduler trims to what its budget and the KV cache allow."""
     num_cached_tokens: int = 0
     """Prompt tokens found in the prefix cache when first scheduled (reported to clients)."""
     num_preemptions: int = 0
@@ -104,6 +110,13 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def output_position(self) -> int:
+        """The output index of the token a scheduled step samples: the tokens sampled
+        before it count whether or not the host has them (seeded draws and min_tokens
+        read it). Outside a step, the next token's index."""
+        return len(self.output_token_ids) + max(self.num_unresolved - 1, 0)
 
     @property
     def last_token_id(self) -> int:

@@ -23,8 +23,9 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -35,7 +36,7 @@ from gpu_worker.runner.kv_caches import model_kv_bytes_per_block, resolve_kv_cac
 from gpu_worker.spec_decode.config import SpeculativeConfig
 from gpu_worker.spec_decode.draft_length import DraftStep
 from shared.model_source import ModelSource, resolve_model
-from shared.protocol import Generate
+from shared.protocol import Generate, RequestDelta
 from shared.sampling import SamplingParams
 from shared.tokenizer_digest import tokenizer_digest
 
@@ -77,21 +78,43 @@ class _DraftState:
     the latest round's tokens."""
 
 
+class DraftEngine(Protocol):
+    """What the drafter runs its rounds on: an engine over the draft model
+    (`gpu_worker.engine.engine.Engine`, which hands itself in as the factory)."""
+
+    config: EngineConfig
+    max_model_len: int
+    last_step_tokens: int
+
+    def add_request(self, request: Generate, request_key: str | None = None) -> None: ...
+
+    def step(self) -> list[RequestDelta]: ...
+
+    def abort(self, request_keys: list[str]) -> None: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def has_request(self, request_id: str) -> bool: ...
+
+
+DraftEngineFactory = Callable[..., DraftEngine]
+"""Builds the draft engine from engine arguments (model, device, dtype, limits...)."""
+
+
 class DraftModelDrafter:
     """A `Drafter` whose proposals are a draft model's greedy continuations."""
 
-    def __init__(self, config: SpeculativeConfig, target: DraftTarget) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, target: DraftTarget, engine_factory: DraftEngineFactory
+    ) -> None:
         """Load the draft model into an inner engine; a ValueError names the draft model
         and the target when their tokenizers differ (checked before any weight loads)."""
         assert config.method == "draft_model" and config.model is not None
-        # Imported here: engine.py imports this module to build its drafter.
-        from gpu_worker.engine.engine import Engine
-
         draft_source = _check_same_tokenizer(config.model, target.source)
         target_config = target.config
         self.num_speculative_tokens = config.num_speculative_tokens
         self.target_vocab_size = target.vocab_size
-        self.engine = Engine(
+        self.engine = engine_factory(
             model=config.model,
             device=str(target.device),
             dtype=str(target.dtype).removeprefix("torch."),
@@ -175,7 +198,7 @@ class DraftModelDrafter:
         if self._requests.pop(request_id, None) is None:
             return
         # Rounds end with nothing running; a round cut short by an error may leave some.
-        if request_id in self.engine.scheduler.requests:
+        if self.engine.has_request(request_id):
             self.engine.abort([request_id])
 
     def _draft_round(self, asking: str) -> None:
@@ -231,9 +254,12 @@ class DraftModelDrafter:
         return True
 
 
-def build_draft_drafter(config: SpeculativeConfig, target: DraftTarget) -> DraftModelDrafter:
-    """The drafter of `--speculative-config` method draft_model for `target`."""
-    return DraftModelDrafter(config, target)
+def build_draft_drafter(
+    config: SpeculativeConfig, target: DraftTarget, engine_factory: DraftEngineFactory
+) -> DraftModelDrafter:
+    """The drafter of `--speculative-config` method draft_model for `target`, its draft
+    engine built by `engine_factory`."""
+    return DraftModelDrafter(config, target, engine_factory)
 
 
 def _check_same_tokenizer(draft_model: str, target: ModelSource) -> ModelSource:

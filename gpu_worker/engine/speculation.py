@@ -1,29 +1,34 @@
-"""Speculative decoding's part of the engine: the drafter that follows every request, the
-drafts the scheduler asks for, the verification of a step's drafted rows, the counts.
+"""Speculative decoding as one component: the drafter that follows every request, the
+drafts each step proposes, the verification of a step's drafted rows, the counts.
 
-The scheduler asks `propose` for a decoding sequence's drafts and schedules it for 1 + k
-tokens; the runner returns logits at all of them; `verify` processes each row as the
-sampler would at that position (`gpu_worker.sampling.target`) and keeps the accepted
-head plus one token of the target's (gpu_worker.spec_decode.verify); `kept_logprobs`
-gives the logprobs of the tokens each request kept, and `kept` shows the drafter what
-each request kept. Every request speculates: penalties, min_tokens, logit_bias, token
-filters and structured outputs are applied to every verify row, and a constrained
-request's drafts end before the first one its grammar refuses.
+Before a step is scheduled, `propose` puts each decoding request's drafts into its
+`Sequence.draft_token_ids` (vLLM's `spec_token_ids`), as many as the draft-length
+controller finds worth their rows (gpu_worker.spec_decode.draft_length) and the request's
+output and context leave room for; the scheduler only trims them to its budget and the
+KV cache. The runner returns logits at all 1 + k rows; `verify` processes each row as the
+sampler would at that position (`gpu_worker.sampling.target`) and keeps the accepted head
+plus one token of the target's (gpu_worker.spec_decode.verify); after the scheduler kept
+them, `step_done` shows the drafter what each request kept, times the step for the
+controller and gives the kept tokens' logprobs. Every request speculates: penalties,
+min_tokens, logit_bias, token filters and structured outputs are applied to every verify
+row, and a constrained request's drafts end before the first one its grammar refuses.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from gpu_worker.core.scheduler import ScheduledSequence
+from gpu_worker.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from gpu_worker.core.sequence import Sequence
 from gpu_worker.sampling.sampler import Sampler
 from gpu_worker.sampling.target import RequestDrafts, TargetLogits, target_probs
 from gpu_worker.sampling.upload import upload
 from gpu_worker.spec_decode.config import SpeculativeConfig
+from gpu_worker.spec_decode.draft_length import DraftLengthController
 from gpu_worker.spec_decode.drafter import Drafter, make_drafter
 from gpu_worker.spec_decode.verify import DraftedRequest, verify
 from shared.protocol import TokenLogprobs
@@ -68,31 +73,90 @@ class Speculator:
         """Index j: drafts accepted at draft position j (vLLM's per-position counts)."""
         self._logprob_rows: _LogprobRows | None = None
         """The last verify's rows for `kept_logprobs`; None once taken."""
+        self.draft_length = (
+            DraftLengthController(config.num_speculative_tokens)
+            if config.draft_length == "adaptive"
+            else None
+        )
+        """How many drafts pay for their rows, request by request; None with a fixed
+        draft length."""
 
     def start(self, seq: Sequence) -> None:
         self.drafter.start_request(seq.request_id, seq.prompt_token_ids)
 
-    def expect(self, limits: Mapping[str, int]) -> None:
-        """The coming step's most drafts per request (the draft-length controller's plan)."""
-        self.drafter.expect(limits)
-
     def finish(self, request_id: str) -> None:
+        """The request ended (finished or aborted): its drafter and controller state go."""
         self.drafter.finish_request(request_id)
+        if self.draft_length is not None:
+            self.draft_length.finish(request_id)
 
-    def kept(self, seq: Sequence, num_new: int) -> None:
-        """`seq` kept its last `num_new` output tokens this step (and may have finished)."""
-        self.drafter.add_tokens(seq.request_id, seq.output_token_ids[-num_new:])
-        if seq.is_finished:
-            self.drafter.finish_request(seq.request_id)
+    def propose(self, scheduler: Scheduler) -> None:
+        """Before `scheduler` schedules a step: each running request that decodes gets its
+        drafts in `draft_token_ids`, every other running one none. A draft model drafts
+        them here, in one batched round: no model work runs inside `schedule()`."""
+        running = scheduler.running
+        decoding = [s for s in running if s.num_computed_tokens == s.num_tokens - 1]
+        limits: Mapping[str, int] | None = None
+        if self.draft_length is not None:
+            limits = self.draft_length.plan(
+                [s.request_id for s in decoding],
+                len(running) - len(decoding),
+                self.drafter.catch_up_tokens,
+            )
+            self.drafter.expect(limits)
+        for seq in running:
+            seq.draft_token_ids = []
+        budget = scheduler.config.max_num_batched_tokens - 1
+        for seq in decoding:
+            room = min(self.num_speculative_tokens, scheduler.draft_room(seq), budget)
+            if limits is not None:
+                room = min(room, limits.get(seq.request_id, 0))
+            if room > 0:
+                seq.draft_token_ids = self._drafts(seq, room)
 
-    def propose(self, seq: Sequence, room: int) -> list[int]:
-        """The scheduler's drafts for a decoding `seq`: at most `room` tokens, cut before
-        the first its structured-output grammar refuses or that would complete it."""
-        drafts = self.drafter.propose(seq.request_id, min(self.num_speculative_tokens, room))
+    def _drafts(self, seq: Sequence, room: int) -> list[int]:
+        """At most `room` of the drafter's tokens for `seq`, cut before the first its
+        structured-output grammar refuses or that would complete it."""
+        drafts = self.drafter.propose(seq.request_id, room)
         matcher = seq.sampler_state.matcher
         if matcher is None or not drafts:
             return drafts
         return drafts[: matcher.num_valid_drafts(drafts)]
+
+    def step_done(
+        self,
+        output: SchedulerOutput,
+        changed: list[Sequence],
+        num_new: Mapping[str, int],
+        started: float,
+    ) -> dict[str, list[TokenLogprobs]]:
+        """After the scheduler kept a step's tokens (`num_new` per request in `changed`):
+        the drafter learns them (and lets finished requests go), the draft-length
+        controller what the step cost since `started`; the verified requests' logprobs."""
+        for seq in changed:
+            self.drafter.add_tokens(
+                seq.request_id, seq.output_token_ids[-num_new[seq.request_id] :]
+            )
+            if seq.is_finished:
+                self.finish(seq.request_id)
+        if self.draft_length is not None:
+            self._time_decode_step(output.scheduled, started)
+        return self.kept_logprobs(num_new)
+
+    def _time_decode_step(self, scheduled: list[ScheduledSequence], started: float) -> None:
+        """Tell the draft-length controller what a step of decodes only cost, end to end,
+        and what the drafter's model ran in it; a step with prefill rows says nothing
+        about a decode row's cost."""
+        assert self.draft_length is not None
+        drafting = self.drafter.take_steps()
+        if scheduled and all(
+            item.will_sample and item.num_new_tokens == 1 + len(item.draft_token_ids)
+            for item in scheduled
+        ):
+            rows = sum(item.num_new_tokens for item in scheduled)
+            self.draft_length.step_timed(rows, time.perf_counter() - started, drafting)
+        else:
+            self.draft_length.drafted(drafting)
 
     def verify(
         self, logits: torch.Tensor, rows: list[int], items: list[ScheduledSequence]
@@ -134,6 +198,11 @@ class Speculator:
             )
         result = verify(target, requests)
         self._count(items, result.num_accepted)
+        if self.draft_length is not None:
+            for item, tokens in zip(items, result.token_ids, strict=True):
+                self.draft_length.verified(
+                    item.seq.request_id, len(item.draft_token_ids), len(tokens) - 1
+                )
         self._logprob_rows = _logprob_rows(raw, requests, items, result.token_ids)
         return {
             item.seq.request_id: tokens

@@ -244,8 +244,12 @@ class DecodeGraphRunner:
         layout: BatchLayout,
         table: BlockTableStep,
         lora_slots: np.ndarray | None = None,
+        fill_inputs: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """One decode step of `layout.num_seqs` sequences -> hidden states [num_seqs, hidden].
+
+        `fill_inputs` writes the input ids the host does not have yet (async scheduling)
+        into the static input buffer, after the staged copy and before the replay.
 
         The caller checks `can_run` first; inputs are the step's host arrays from the model
         runner (`table` from its `block_table`, `lora_slots` each row's adapter slot with
@@ -282,6 +286,8 @@ class DecodeGraphRunner:
         host["write_values"][:num_writes] = table.values
         staged.copy()
         device = staged.device
+        if fill_inputs is not None:
+            fill_inputs(self.input_ids[:num_seqs])
         self.block_table.apply(
             device["write_index"][:num_writes], device["write_values"][:num_writes]
         )

@@ -22,6 +22,12 @@ decode step to every backend, so it takes the CPU decode kernel, the Triton deco
 and the decode CUDA graphs, and each row's attention is computed exactly as a plain decode
 of that token would compute it.
 
+Async scheduling: a decoding sequence may be scheduled while the token it computes is
+still unresolved (sampled by the previous step, not yet read by the host). Its input id
+is a placeholder in the host batch (`HostBatch.unresolved_rows`), overwritten on the
+device from the previous step's sampled ids before the forward (`execute_host`'s
+`previous`), for an eager step as for a replayed graph.
+
 LoRA (`use_lora`, before the graphs are captured): before a step's forward its adapters
 are made resident (the registry copies missing ones into slots) and every token row gets
 its sequence's slot, -1 for the base model: set on the model's `LoRAState` for an eager
@@ -31,7 +37,7 @@ follower has no registry: its steps arrive with rank 0's slots (`execute_host`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -50,6 +56,20 @@ from gpu_worker.core.scheduler import ScheduledSequence
 from gpu_worker.models.base import CausalLM
 from gpu_worker.runner.block_table import BlockTable, BlockTableStep
 from gpu_worker.runner.cuda_graphs import DecodeGraphRunner
+
+InputFill = Callable[[torch.Tensor], None]
+"""Writes a step's unresolved input ids into its input-id tensor on the device."""
+
+
+class PreviousTokens(Protocol):
+    """The last step's sampled ids on the device and their rows by request
+    (`gpu_worker.sampling.sampled_tokens.SampledTokens`)."""
+
+    @property
+    def device_ids(self) -> torch.Tensor: ...
+
+    @property
+    def row_of(self) -> Mapping[str, int]: ...
 
 
 class AdapterSlots(Protocol):
@@ -92,6 +112,11 @@ class HostBatch:
     """[rows, cols] of the persistent block table once `table`'s writes are in: their flat
     indices count in its columns. A rank that runs a batch prepared elsewhere (a TP
     follower) grows its own table to this shape first, so the writes land alike."""
+    unresolved_rows: np.ndarray | None = None
+    """Token rows whose input is the previous step's sampled id, not yet on the host; None
+    when every input is known."""
+    unresolved_sources: np.ndarray | None = None
+    """For each of `unresolved_rows`, its row in the previous step's sampled ids."""
 
 
 class ModelRunner:
@@ -149,10 +174,16 @@ class ModelRunner:
         self.block_table.release(request_ids)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSequence]) -> RunnerOutput:
+    def execute(
+        self, scheduled: list[ScheduledSequence], previous: PreviousTokens | None = None
+    ) -> RunnerOutput:
         """Run one step: fp32 logits for each sampling sequence, in batch order, and the
-        hidden states of the prompt rows whose logprobs were asked for."""
-        return self.execute_host(self.prepare(scheduled), self.adapter_slots(scheduled))
+        hidden states of the prompt rows whose logprobs were asked for. `previous`: the
+        last step's sampled ids on the device, for inputs the host does not have yet."""
+        row_of = None if previous is None else previous.row_of
+        batch = self.prepare(scheduled, row_of)
+        ids = None if previous is None else previous.device_ids
+        return self.execute_host(batch, self.adapter_slots(scheduled), ids)
 
     def adapter_slots(self, scheduled: list[ScheduledSequence]) -> np.ndarray | None:
         """Each attention sequence's adapter slot (-1: the base model), its adapters made
@@ -188,7 +219,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_host(
-        self, batch: HostBatch, adapter_slots: np.ndarray | None = None
+        self,
+        batch: HostBatch,
+        adapter_slots: np.ndarray | None = None,
+        previous_ids: torch.Tensor | None = None,
     ) -> RunnerOutput:
         """Run a prepared step: this runner's own `prepare`, or, on a TP follower, the
         leader's, received over the wire. Either way the batch's block-table writes go into
@@ -196,8 +230,9 @@ class ModelRunner:
         each sequence's LoRA slot (`adapter_slots`), None for a base-only step."""
         self._fit_table(batch.table_shape)
         graphs = self.decode_graphs
+        fill = self._unresolved_fill(batch, previous_ids)
         if graphs is not None and graphs.can_run(batch.layout, batch.table):
-            hidden = graphs.run(batch.input_ids, batch.layout, batch.table, adapter_slots)
+            hidden = graphs.run(batch.input_ids, batch.layout, batch.table, adapter_slots, fill)
             self.num_graph_steps += 1
             # Rare in a decode step (a one-token prefill chunk), so their own small copy.
             rows = [r for r in (batch.sample_rows, batch.prompt_rows) if r is not None]
@@ -206,6 +241,8 @@ class ModelRunner:
             prompt_rows = None if batch.prompt_rows is None else uploaded.pop(0)
         else:
             input_ids, positions, meta, sample_rows, prompt_rows = self.upload(batch)
+            if fill is not None:
+                fill(input_ids)
             self._set_lora_rows(batch.layout, adapter_slots)
             self.attn_backend.plan(meta, self.kv_caches[0])
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
@@ -218,21 +255,45 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden.index_select(0, sample_rows))
         return RunnerOutput(logits, prompt_hidden)
 
+    def _unresolved_fill(
+        self, batch: HostBatch, previous_ids: torch.Tensor | None
+    ) -> InputFill | None:
+        """What writes the unresolved inputs into a step's input ids on the device; None
+        when the batch has none."""
+        rows, sources = batch.unresolved_rows, batch.unresolved_sources
+        if rows is None or sources is None:
+            return None
+        if previous_ids is None:
+            raise ValueError("the batch has unresolved inputs but no previous step's ids")
+        rows_t, sources_t = to_device([rows, sources], torch.int64, self.device)
+        values = previous_ids.index_select(0, sources_t)
+
+        def fill(input_ids: torch.Tensor) -> None:
+            input_ids.index_copy_(0, rows_t, values)
+
+        return fill
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states [n, hidden] -> fp32 logits [n, >= vocab] (prompt logprobs)."""
         return self.model.compute_logits(hidden)
 
-    def prepare(self, scheduled: list[ScheduledSequence]) -> HostBatch:
+    def prepare(
+        self, scheduled: list[ScheduledSequence], unresolved: Mapping[str, int] | None = None
+    ) -> HostBatch:
         """The step's host arrays: token ids, the layout (slots from the persistent block
         table, which takes each sequence's new blocks here), the rows to sample and the
-        prompt-logprob rows."""
+        prompt-logprob rows. `unresolved`: the rows of the previous step's sampled ids by
+        request, when that step's tokens are not on the host yet (async scheduling)."""
         # List comprehensions, not one loop storing into numpy: this runs per sequence
         # every step, and numpy scalar stores cost more than the work they record.
         seqs = [item.seq for item in scheduled]
         starts = [item.num_computed_tokens for item in scheduled]
         num_new = [item.num_new_tokens for item in scheduled]
-        if max(num_new, default=0) == 1:  # every sequence decodes one token
+        fills: tuple[np.ndarray, np.ndarray] | None = None
+        if unresolved is not None:
+            input_ids, fills = _inputs_with_unresolved(scheduled, unresolved)
+        elif max(num_new, default=0) == 1:  # every sequence decodes one token
             input_ids = [seq.all_token_ids[start] for seq, start in zip(seqs, starts, strict=True)]
         else:
             input_ids = []
@@ -290,6 +351,8 @@ class ModelRunner:
             None if every_row_samples else sample_rows,
             prompt_rows,
             (int(self.block_table.host.shape[0]), self.block_table.num_cols),
+            None if fills is None else fills[0],
+            None if fills is None else fills[1],
         )
 
     def upload(
@@ -316,6 +379,30 @@ class ModelRunner:
         its shape."""
         num_rows, num_cols = shape
         self.block_table.reserve(num_cols, num_rows)
+
+
+def _inputs_with_unresolved(
+    scheduled: list[ScheduledSequence], row_of: Mapping[str, int]
+) -> tuple[list[int], tuple[np.ndarray, np.ndarray] | None]:
+    """The step's input ids with a placeholder (0) for each token the host has not read
+    yet, and those tokens' rows with their rows in the previous step's ids (None: none)."""
+    input_ids: list[int] = []
+    rows: list[int] = []
+    sources: list[int] = []
+    for item in scheduled:
+        tokens = item.seq.all_token_ids
+        start, end = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
+        if end <= len(tokens):
+            input_ids += tokens[start:end]
+            continue
+        # Only a decode computes an unresolved token: its one input is the last sample.
+        assert item.num_new_tokens == 1 and not item.draft_token_ids, "one unresolved input"
+        rows.append(len(input_ids))
+        sources.append(row_of[item.seq.request_id])
+        input_ids.append(0)
+    if not rows:
+        return input_ids, None
+    return input_ids, (np.array(rows, dtype=np.int64), np.array(sources, dtype=np.int64))
 
 
 def _attention_rows(scheduled: list[ScheduledSequence]) -> np.ndarray | None:

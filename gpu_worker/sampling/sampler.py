@@ -11,9 +11,10 @@ through temperature, min-p, top-k and top-p, on a bounded candidate set
 its tokens depend only on its own seed and logits, not on the batch around them.
 
 Every per-row decision is made in Python from the params, never by reading a device
-tensor, so the only host<->device sync is the final `.tolist()` of the sampled ids, and,
-on steps with top-p rows that have no top-k, one read of which of them need more than
-their candidates.
+tensor, so the sampled ids stay on the device (`SamplerOutput.sampled`): the engine moves
+them to the host in one copy (gpu_worker.sampling.sampled_tokens), the next step's inputs
+may read them where they are. The one sync inside is, on steps with top-p rows that have
+no top-k, one read of which of them need more than their candidates.
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ def new_sampler_state(
 
 @dataclass
 class SamplerOutput:
-    """What one step sampled; the logprob tensors stay on the device (no sync)."""
+    """What one step sampled, on the device (no sync)."""
 
-    token_ids: list[int]
+    sampled: torch.Tensor
+    """[n] int64 the sampled id of each row."""
     logprobs: torch.Tensor | None = None
     """[n] fp32 raw logprob (log_softmax of the model logits) of each sampled token."""
     ranks: torch.Tensor | None = None
@@ -61,6 +63,12 @@ class SamplerOutput:
     """[n, k] fp32 raw logprobs of top_ids, descending."""
     num_top: list[int] = field(default_factory=list)
     """How many of the k top entries each row asked for (0 if none)."""
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The sampled ids on the host (a sync: the engine reads them through
+        `SampledTokenCopy` instead)."""
+        return self.sampled.tolist()
 
 
 class Sampler:
@@ -100,7 +108,7 @@ class Sampler:
         if all(p.is_greedy for p in params) and not (
             wants_logprobs or bans or penalized or uses_bias or constrained or filtered
         ):
-            return SamplerOutput(token_ids=_argmax_rows(logits).tolist(), num_top=num_top)
+            return SamplerOutput(sampled=_argmax_rows(logits), num_top=num_top)
 
         # A copy: the caller's logits stay raw, and the ops below work in place.
         x = logits.to(torch.float32, copy=True)
@@ -129,11 +137,9 @@ class Sampler:
             picks = self._sample_random(x.index_select(0, index), [states[r] for r in sampled])
             token_ids.index_copy_(0, index, picks)
 
-        out = SamplerOutput(token_ids=[], num_top=num_top)
+        out = SamplerOutput(sampled=token_ids, num_top=num_top)
         if wants_logprobs:
             self._fill_logprobs(out, logits, token_ids, max(num_top))
-        # The step's host<->device sync (see the module's docstring).
-        out.token_ids = token_ids.tolist()
         return out
 
     def _upload(self, values: list | tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -143,7 +149,7 @@ class Sampler:
         """(row, token) pairs to mask: EOS and stop ids of rows still short of min_tokens."""
         bans: list[tuple[int, int]] = []
         for row, s in enumerate(states):
-            if len(s.output_token_ids) < s.sampling.min_tokens:
+            if s.output_position < s.sampling.min_tokens:
                 banned = set(self.eos_token_ids) | set(s.sampling.stop_token_ids)
                 bans.extend((row, t) for t in sorted(banned) if t < self.vocab_size)
         return bans
@@ -159,9 +165,7 @@ class Sampler:
             # p < min_p x p_max, in logits: x < x_max + log(min_p) (min_p = 0: -inf, none).
             floor = x.amax(dim=-1) + self._upload(min_p, torch.float32).log()
             x.masked_fill_(x < floor[:, None], -torch.inf)
-        u = uniforms(
-            [p.seed for p in params], [len(s.output_token_ids) for s in states], self.device
-        )
+        u = uniforms([p.seed for p in params], [s.output_position for s in states], self.device)
 
         cut = [r for r, p in enumerate(params) if needs_truncation(p.top_k, p.top_p, x.shape[1])]
         if not cut:

@@ -47,4 +47,10 @@ class SamplingRequest(Protocol):
     def output_token_ids(self) -> list[int]: ...
 
     @property
+    def output_position(self) -> int:
+        """The output index of the token sampled now (tokens sampled by earlier steps that
+        the host has not read yet count)."""
+        ...
+
+    @property
     def sampler_state(self) -> SamplerState: ...

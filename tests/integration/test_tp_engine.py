@@ -18,6 +18,7 @@ import torch
 
 from gpu_worker.core.config import EngineConfig
 from gpu_worker.engine.engine import Engine
+from gpu_worker.engine.executor import TPExecutor
 from gpu_worker.engine.tp_worker import TPRankFailed, resolve_tp_config
 from gpu_worker.loader import load_config
 from gpu_worker.runner.kv_caches import kv_cache_bytes_per_block
@@ -42,13 +43,10 @@ def _greedy(**engine_args: Any) -> tuple[list[list[int]], list[int]]:
 
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.helpers.tiny_models import save_tiny_model, save_tiny_tokenizer  # transformers
+    from tests.helpers.tiny_models import save_tiny_model  # transformers
 
-    out, hf = save_tiny_model(
-        tmp_path_factory.mktemp("tp_engine") / "qwen3", "qwen3", tie_word_embeddings=True
-    )
-    save_tiny_tokenizer(out, hf.config.vocab_size)
-    return out
+    out_dir = tmp_path_factory.mktemp("tp_engine") / "qwen3"
+    return save_tiny_model(out_dir, "qwen3", tie_word_embeddings=True, tokenizer="words").path
 
 
 @pytest.mark.slow
@@ -106,8 +104,8 @@ def test_dead_follower_fails_the_next_step_naming_it(tiny_qwen3: Path) -> None:
     engine = Engine(model=str(tiny_qwen3), device="cpu", tensor_parallel_size=2)
     try:
         engine.generate(PROMPTS[2:], GREEDY)
-        assert engine._tp is not None
-        [follower] = engine._tp.processes
+        assert isinstance(engine.executor, TPExecutor)
+        [follower] = engine.executor.leader.processes
         assert follower.pid is not None
         os.kill(follower.pid, signal.SIGKILL)
         follower.join(10)

@@ -24,6 +24,7 @@ from gpu_worker.distributed.group import TPGroup
 from gpu_worker.engine.tp_step import IdleKeepAlive, follower_loop, lead_step, stop_followers
 from gpu_worker.runner.kv_caches import allocate_kv_caches
 from gpu_worker.runner.model_runner import HostBatch, ModelRunner, RunnerOutput
+from tests.helpers.runner_output import runner_output
 from tests.integration.test_tp_collectives import run_ranks
 from tests.unit.test_tp_step import BS, CONFIG, NUM_BLOCKS, busy_scheduler, greedy, tiny_model
 
@@ -72,7 +73,7 @@ def check_lead_and_follow(group: TPGroup) -> None:
         num_chunks += sum(not item.will_sample for item in out.scheduled)
         num_released += len(out.finished_request_ids)
         num_prompt_steps += run.prompt_hidden is not None
-        scheduler.update(out, greedy(out, run.logits))
+        scheduler.update(out, runner_output(greedy(out, run.logits)))
     stop_followers(group)
     total = all_reduce_(group, torch.tensor([num_steps]))
     assert runner.num_mismatches == 0, f"{runner.num_mismatches} of {num_steps} steps differ"

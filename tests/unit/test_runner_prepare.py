@@ -20,6 +20,7 @@ from gpu_worker.core.scheduler import ScheduledSequence, Scheduler
 from gpu_worker.core.sequence import Sequence
 from gpu_worker.runner.model_runner import ModelRunner
 from shared.sampling import SamplingParams
+from tests.helpers.runner_output import runner_output
 
 BS = 4
 NUM_BLOCKS = 20
@@ -109,19 +110,26 @@ def test_prepare_matches_the_list_builder_through_prefixes_chunks_and_preemption
                 num_shared += len(tables) - len(set(tables))
             num_steps += 1
             num_preempted += len(out.preempted)
-            scheduler.update(out, {s.seq.request_id: 7 for s in out.scheduled if s.will_sample})
+            scheduler.update(
+                out, runner_output({s.seq.request_id: 7 for s in out.scheduled if s.will_sample})
+            )
         if i == 8:  # later requests reuse ids 0.. once those finished
             while scheduler.has_unfinished():
                 out = scheduler.schedule()
                 runner.release(out.finished_request_ids)
                 _check_step(runner, out.scheduled)
-                scheduler.update(out, {s.seq.request_id: 7 for s in out.scheduled if s.will_sample})
+                scheduler.update(
+                    out,
+                    runner_output({s.seq.request_id: 7 for s in out.scheduled if s.will_sample}),
+                )
     while scheduler.has_unfinished():
         out = scheduler.schedule()
         runner.release(out.finished_request_ids)
         _check_step(runner, out.scheduled)
         num_preempted += len(out.preempted)
-        scheduler.update(out, {s.seq.request_id: 7 for s in out.scheduled if s.will_sample})
+        scheduler.update(
+            out, runner_output({s.seq.request_id: 7 for s in out.scheduled if s.will_sample})
+        )
     runner.release(scheduler.schedule().finished_request_ids)
     assert runner.block_table.num_live_rows == 0
     assert num_preempted > 0
@@ -132,16 +140,18 @@ def test_a_verify_step_is_laid_out_as_one_token_decodes_of_each_drafted_sequence
     kv = KVCacheManager(CacheConfig(block_size=BS, num_blocks=NUM_BLOCKS))
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128)
     drafts = {"a": [5, 6, 7], "c": [9]}  # "b" drafts nothing
-    scheduler = Scheduler(
-        config, kv, eos_token_ids=[], propose=lambda seq, room: drafts.get(seq.request_id, [])
-    )
+    scheduler = Scheduler(config, kv, eos_token_ids=[])
     none = cast(Any, None)
     runner = ModelRunner(none, none, [], BS, torch.device("cpu"))
     for request_id, length in (("a", 6), ("b", 3), ("c", 9)):
         params = SamplingParams(max_tokens=20, ignore_eos=True)
         scheduler.add(Sequence(request_id, list(range(1, length + 1)), params, block_size=BS))
     out = scheduler.schedule()  # the prompts
-    scheduler.update(out, {s.seq.request_id: 7 for s in out.scheduled if s.will_sample})
+    scheduler.update(
+        out, runner_output({s.seq.request_id: 7 for s in out.scheduled if s.will_sample})
+    )
+    for seq in scheduler.running:  # as the speculator proposes before scheduling
+        seq.draft_token_ids = drafts.get(seq.request_id, [])
     out = scheduler.schedule()
     assert [len(item.draft_token_ids) for item in out.scheduled] == [3, 0, 1]
 

@@ -16,6 +16,7 @@ from gpu_worker.core.scheduler import Scheduler, SchedulerOutput
 from gpu_worker.core.sequence import FinishReason, Sequence, SequenceStatus
 from shared.model_card import SchedulingPolicy
 from shared.sampling import SamplingParams
+from tests.helpers.runner_output import runner_output
 
 BS = 16
 EOS = 2
@@ -59,7 +60,7 @@ def step(
 ) -> tuple[SchedulerOutput, list[Sequence]]:
     out = sched.schedule()
     sampled = {s.seq.request_id: token_fn(s.seq) for s in out.scheduled if s.will_sample}
-    return out, sched.update(out, sampled)
+    return out, sched.update(out, runner_output(sampled))
 
 
 def run_all(sched: Scheduler, token_fn: TokenFn = next_token, max_steps: int = 500) -> int:
@@ -189,7 +190,7 @@ def test_preempted_sequence_recomputes_from_the_prefix_cache() -> None:
     # b is freed tail first, so a's new block is b's tail (block 3) and block 2 stays cached.
     assert out.preempted == [b]
     assert a.block_table == [0, 1, 3]
-    sched.update(out, {"a": next_token(a)})
+    sched.update(out, runner_output({"a": next_token(a)}))
     assert a.finish_reason == FinishReason.LENGTH  # 4th output this step
 
     out, _ = step(sched)
@@ -313,7 +314,7 @@ def test_prompt_logprobs_skip_cached_blocks_and_cover_every_prompt_position() ->
         out = sched.schedule()
         [item] = out.scheduled
         positions.extend(item.prompt_logprob_positions)  # read before update(), as the engine
-        sched.update(out, {"pl": next_token(seq)} if item.will_sample else {})
+        sched.update(out, runner_output({"pl": next_token(seq)} if item.will_sample else {}))
     assert seq.num_cached_tokens == 0
     assert positions == list(range(39))  # position p scores prompt token p + 1
     assert list(sched.schedule().scheduled[0].prompt_logprob_positions) == []

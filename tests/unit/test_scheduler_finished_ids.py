@@ -11,6 +11,7 @@ from gpu_worker.core.kv_cache import KVCacheManager
 from gpu_worker.core.scheduler import Scheduler, SchedulerOutput
 from gpu_worker.core.sequence import FinishReason, Sequence
 from shared.sampling import SamplingParams
+from tests.helpers.runner_output import runner_output
 
 BS = 16
 
@@ -28,7 +29,9 @@ def _seq(request_id: str, prompt_len: int, max_tokens: int) -> Sequence:
 
 def _step(sched: Scheduler) -> SchedulerOutput:
     out = sched.schedule()
-    sched.update(out, {s.seq.request_id: 1000 for s in out.scheduled if s.will_sample})
+    sched.update(
+        out, runner_output({s.seq.request_id: 1000 for s in out.scheduled if s.will_sample})
+    )
     return out
 
 

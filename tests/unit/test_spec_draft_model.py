@@ -219,14 +219,14 @@ def test_a_draft_model_with_another_tokenizer_is_refused(tmp_path: Path, target_
     draft_dir, _ = save_tiny_model(tmp_path, "llama", tie_word_embeddings=False)
     save_byte_tokenizer(draft_dir)
     with pytest.raises(ValueError, match="does not share the tokenizer") as refused:
-        build_draft_drafter(_draft_config(draft_dir), _unloaded_target(target_dir))
+        build_draft_drafter(_draft_config(draft_dir), _unloaded_target(target_dir), Engine)
     assert repr(str(draft_dir)) in str(refused.value)
     assert repr(target_dir.name) in str(refused.value)
 
 
 def test_a_missing_draft_model_is_refused_naming_it(target_dir: Path) -> None:
     with pytest.raises(ValueError, match="model 'no-such-draft'"):
-        build_draft_drafter(_draft_config("no-such-draft"), _unloaded_target(target_dir))
+        build_draft_drafter(_draft_config("no-such-draft"), _unloaded_target(target_dir), Engine)
 
 
 def test_draft_model_fields_parse() -> None:

@@ -170,7 +170,9 @@ def test_unservable_speculative_config_fails_at_start(kwargs: dict[str, Any], me
 def test_speculation_is_off_by_default(plain: Engine) -> None:
     assert EngineConfig().speculative() is None
     assert plain.speculator is None
-    assert plain.scheduler.propose is None
+    [done] = plain.generate([[1, 2, 3, 1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))
+    assert len(done.token_ids) == 4
+    assert plain.stats().spec_num_drafts == 0
 
 
 def test_target_probs_apply_temperature_top_k_with_ties_top_p_and_min_p() -> None:

@@ -39,6 +39,7 @@ from gpu_worker.models.config import ModelConfig
 from gpu_worker.runner.kv_caches import allocate_kv_caches
 from gpu_worker.runner.model_runner import HostBatch, ModelRunner
 from shared.sampling import SamplingParams
+from tests.helpers.runner_output import runner_output
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -146,7 +147,9 @@ def test_every_field_round_trips_through_a_scheduled_run() -> None:
         seen_released |= bool(out.finished_request_ids)
         seen_partial_sample |= batch.sample_rows is not None
         seen_writes |= batch.table.num_writes > 0
-        scheduler.update(out, {s.seq.request_id: 1 for s in out.scheduled if s.will_sample})
+        scheduler.update(
+            out, runner_output({s.seq.request_id: 1 for s in out.scheduled if s.will_sample})
+        )
     assert seen_prompt_rows
     assert seen_released
     assert seen_partial_sample
@@ -203,7 +206,7 @@ def test_a_received_batch_runs_exactly_like_a_local_step() -> None:
         if want.prompt_hidden is not None:
             assert got.prompt_hidden is not None
             assert torch.equal(got.prompt_hidden, want.prompt_hidden)
-        scheduler.update(out, greedy(out, want.logits))
+        scheduler.update(out, runner_output(greedy(out, want.logits)))
         num_steps += 1
     assert num_steps > 5
     assert follower.block_table.device_table.shape == local.block_table.device_table.shape
@@ -226,7 +229,7 @@ def test_a_world_of_one_leads_without_encoding(monkeypatch: pytest.MonkeyPatch) 
         want = local.execute(out.scheduled)
         got = lead_step(alone, group, out.scheduled, out.finished_request_ids)
         assert torch.equal(got.logits, want.logits)
-        scheduler.update(out, greedy(out, want.logits))
+        scheduler.update(out, runner_output(greedy(out, want.logits)))
     stop_followers(group)
     with pytest.raises(ValueError, match="only the other ranks follow"):
         follower_loop(alone, group)

@@ -1,17 +1,16 @@
 """Load a model's config and weights from an HF safetensors directory or a GGUF file.
 
-Both sources are turned into one `ModelConfig` and a stream of HF-named tensors, which the
-model copies into its (fused) parameters. GGUF tensors are dequantized to fp32 with the
-`gguf` package, and llama.cpp's Q/K row permutation is undone so that every model uses HF's
-rotate_half rotary convention. A tensor-parallel rank reads both lazily, only its part of each
-tensor (`gguf_tensors` for GGUF).
-"""
+Both sources are turned into one `ModelConfig`, read by the class of the source's
+architecture (each family in `gpu_worker.models` parses its own configs), and a stream of
+HF-named tensors, which the model copies into its (fused) parameters. GGUF tensors are
+dequantized to fp32 with the `gguf` package, and llama.cpp's Q/K row permutation is undone so
+that every model uses HF's rotate_half rotary convention. A tensor-parallel rank reads both
+lazily, only its part of each tensor (`gguf_tensors` for GGUF)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from collections import deque
 from collections.abc import Iterator
@@ -30,8 +29,8 @@ from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from gpu_worker.distributed.group import TPGroup
 from gpu_worker.distributed.parallelize import parallelize
 from gpu_worker.gguf_tensors import GGUFTensorSource
-from gpu_worker.models import CausalLM, get_model_class
-from gpu_worker.models.config import LongRope, ModelConfig, RopeScaling
+from gpu_worker.models import GGUF_ARCHITECTURES, HF_MODEL_TYPES, CausalLM, get_model_class
+from gpu_worker.models.config import ModelConfig
 from gpu_worker.models.weights import TensorSource
 from gpu_worker.ops.gguf_linear import (
     QuantizedWeight,
@@ -42,199 +41,24 @@ from gpu_worker.ops.layer_ops import LayerOps
 from shared.gguf_metadata import GGUFMetadata, read_gguf_metadata
 from shared.model_source import ModelSource
 
-_MODEL_TYPE_TO_ARCH = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "gemma2": "Gemma2ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-}
 
-_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-
-
-def _ids(value: int | list[int] | None) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return tuple(value) if isinstance(value, list) else (value,)
-
-
-def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
     """ModelConfig from a config.json dict (transformers 4.x `rope_scaling` or 5.x
-    `rope_parameters`)."""
-    arch = (cfg.get("architectures") or [_MODEL_TYPE_TO_ARCH.get(cfg.get("model_type", ""), "")])[0]
-    is_gemma = arch in _GEMMA
-    _check_mlp(arch, cfg, is_gemma)
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    local_rope = None
-    if "full_attention" in rope:  # transformers 5's Gemma 3: rope parameters per layer type
-        rope, local_rope = rope["full_attention"], rope.get("sliding_attention")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    is_phi3 = arch == "Phi3ForCausalLM"
-    if is_phi3 and rope_type in ("su", "yarn"):  # Phi3Config's old names for longrope
-        rope_type = "longrope"
-    num_heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
-    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    rotary_dim = int(head_dim * partial)
-    longrope = None
-    scaling = None
-    linear_factor = None
-    if rope_type == "llama3":
-        scaling = RopeScaling(
-            factor=float(rope["factor"]),
-            low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-        )
-    elif rope_type == "longrope":
-        longrope = _longrope_from_hf(cfg, rope)
-    elif rope_type == "linear":
-        linear_factor = float(rope["factor"])
-    elif rope_type != "default":
-        raise NotImplementedError(f"rope type {rope_type!r} is not supported")
-    # Gemma3TextConfig's global base when config.json leaves it out.
-    default_theta = 1_000_000.0 if arch == "Gemma3ForCausalLM" else 10000.0
-    is_qwen2 = arch == "Qwen2ForCausalLM"
-    llama_bias = bool(cfg.get("attention_bias", False)) and not is_qwen2
-    window = cfg.get("sliding_window")
-    is_qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
-    if is_qwen and not cfg.get("use_sliding_window"):
-        window = None
-    if arch == "Qwen3MoeForCausalLM" and not cfg.get("use_sliding_window"):
-        window = None  # Qwen3-MoE slides every layer when it slides at all
-    layer_windows = _qwen_layer_windows(cfg, window) if is_qwen else None
-    gemma = _gemma_from_hf(arch, cfg, local_rope) if is_gemma else {}
-    if is_gemma:
-        window, layer_windows = gemma.pop("sliding_window"), gemma.pop("layer_windows")
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"],
-        num_heads=num_heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or default_theta),
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        rope_scaling=scaling,
-        attention_bias=is_qwen2 or llama_bias,
-        attention_out_bias=llama_bias,
-        sliding_window=window,
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=_ids(cfg.get("eos_token_id")),
-        layer_windows=layer_windows,
-        rotary_dim=rotary_dim if rotary_dim != head_dim else None,
-        longrope=longrope,
-        rope_linear_factor=linear_factor,
-        **_moe_from_hf(arch, cfg),
-        **gemma,
-    )
+    `rope_parameters`), read by the class of its architecture (`architectures[0]`, else the
+    one its `model_type` names)."""
+    of_model_type = HF_MODEL_TYPES.get(hf_config.get("model_type", ""), "")
+    architecture = (hf_config.get("architectures") or [of_model_type])[0]
+    return get_model_class(architecture).config_from_hf(architecture, hf_config)
 
 
-def _check_mlp(arch: str, cfg: dict[str, Any], is_gemma: bool) -> None:
-    """Gemma's MLPs are GeGLU (`hidden_activation`), the others' bias-free SwiGLU."""
-    if is_gemma:
-        if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
-            raise NotImplementedError(f"{arch}: only tanh-approximated GeGLU is supported")
-    elif cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias", False):
-        raise NotImplementedError(f"{arch}: only bias-free SiLU MLPs are supported")
-
-
-def _gemma_from_hf(
-    arch: str, cfg: dict[str, Any], local_rope: dict[str, Any] | None
-) -> dict[str, Any]:
-    """Gemma 2/3's fields, with their configs' defaults: which layers slide (`layer_types`,
-    else Gemma 2's odd/even rule or Gemma 3's `sliding_window_pattern`, the last layer of
-    each period global), the local layers' rope base, the attention scale and the caps."""
-    is_gemma2 = arch == "Gemma2ForCausalLM"
-    num_layers = cfg["num_hidden_layers"]
-    window = cfg.get("sliding_window", 4096)
-    period = 2 if is_gemma2 else cfg.get("sliding_window_pattern", 6)
-    types = cfg.get("layer_types") or [
-        "sliding_attention" if (i + 1) % period else "full_attention" for i in range(num_layers)
-    ]
-    local_theta = (local_rope or {}).get("rope_theta") or cfg.get("rope_local_base_freq")
-    if local_theta is None and not is_gemma2:
-        local_theta = 10000.0  # Gemma3TextConfig's default local base
-    softcaps = (50.0, 30.0) if is_gemma2 else (None, None)  # the config classes' defaults
-    return {
-        "sliding_window": window,
-        "layer_windows": tuple(window if t == "sliding_attention" else None for t in types),
-        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
-        "attn_logit_softcapping": cfg.get("attn_logit_softcapping", softcaps[0]),
-        "final_logit_softcapping": cfg.get("final_logit_softcapping", softcaps[1]),
-        "rope_local_theta": None if local_theta is None else float(local_theta),
-    }
-
-
-def _moe_from_hf(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """ModelConfig's expert fields, as transformers' Mixtral and Qwen3-MoE configs read them."""
-    if arch == "MixtralForCausalLM":
-        return {
-            "num_experts": cfg.get("num_local_experts", 8),
-            "num_experts_per_tok": cfg.get("num_experts_per_tok", 2),
-            "moe_intermediate_size": cfg["intermediate_size"],
-            "norm_topk_prob": True,
-        }
-    if arch == "Qwen3MoeForCausalLM":
-        num_layers, step = cfg["num_hidden_layers"], cfg.get("decoder_sparse_step", 1)
-        only = set(cfg.get("mlp_only_layers") or ())
-        # transformers 5 saves `num_experts` under its attribute-map name.
-        num_experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 128
-        dense = [i for i in range(num_layers) if i in only or (i + 1) % step]
-        return {
-            "num_experts": num_experts,
-            "num_experts_per_tok": cfg.get("num_experts_per_tok", 8),
-            "moe_intermediate_size": cfg.get("moe_intermediate_size", 768),
-            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
-            "dense_layers": tuple(dense),
-        }
-    return {}
-
-
-def _longrope_from_hf(cfg: dict[str, Any], rope: dict[str, Any]) -> LongRope:
-    """transformers' `_compute_longrope_parameters`: Phi-3 keeps the original context at
-    the top level (it wins over the rope dict's); without an explicit `factor` the
-    attention factor follows from max / original context."""
-    original = int(
-        cfg.get("original_max_position_embeddings")
-        or rope.get("original_max_position_embeddings")
-        or cfg["max_position_embeddings"]
-    )
-    factor = rope.get("factor")
-    if factor is None:
-        factor = cfg["max_position_embeddings"] / original
-    attention_factor = rope.get("attention_factor")
-    if attention_factor is None:
-        attention_factor = 1.0
-        if factor > 1.0:
-            attention_factor = math.sqrt(1 + math.log(factor) / math.log(original))
-    return LongRope(
-        short_factor=tuple(float(f) for f in rope["short_factor"]),
-        long_factor=tuple(float(f) for f in rope["long_factor"]),
-        original_max_position_embeddings=original,
-        attention_factor=float(attention_factor),
-    )
-
-
-def _qwen_layer_windows(cfg: dict[str, Any], window: int | None) -> tuple[int | None, ...] | None:
-    """Which Qwen layers slide, as transformers decides: config.json's `layer_types`, else
-    every layer from `max_window_layers` on (the first ones attend globally)."""
-    if window is None:
-        return None
-    num_layers = cfg["num_hidden_layers"]
-    first = cfg.get("max_window_layers", 28)
-    default = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
-    types = cfg.get("layer_types") or default
-    return tuple(window if t == "sliding_attention" else None for t in types)
+def config_from_gguf(metadata: GGUFMetadata) -> ModelConfig:
+    """ModelConfig from a GGUF file's `{arch}.*` metadata and its tensor table, read by the
+    class of its `general.architecture`."""
+    architecture = metadata.string("general.architecture")
+    model_cls = GGUF_ARCHITECTURES.get(architecture or "")
+    if architecture is None or model_cls is None:
+        raise NotImplementedError(f"GGUF architecture {architecture!r} is not supported")
+    return model_cls.config_from_gguf(architecture, metadata)
 
 
 def _safetensors_files(model_dir: Path) -> list[str]:
@@ -260,138 +84,6 @@ def iter_hf_slices(model_dir: Path) -> Iterator[tuple[str, TensorSource]]:
         with safe_open(str(model_dir / file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 yield name, f.get_slice(name)
-
-
-def _gguf_tensor_values(meta: GGUFMetadata, name: str) -> list[float]:
-    """A (small) tensor's values, read from the file at its offset in the header."""
-    info = meta.tensors[name]
-    qtype = gguf.GGMLQuantizationType(info.ggml_type)
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    num_bytes = int(np.prod(info.shape)) // block_size * type_size
-    raw = np.fromfile(meta.path, dtype=np.uint8, count=num_bytes, offset=info.offset)
-    return gguf.quants.dequantize(raw, qtype).ravel().tolist()
-
-
-def _required(value: int | None, meta: GGUFMetadata, key: str) -> int:
-    if value is None:
-        raise ValueError(f"{meta.path.name}: GGUF metadata lacks {key}")
-    return value
-
-
-def config_from_gguf(meta: GGUFMetadata) -> ModelConfig:
-    """ModelConfig from a GGUF file's `{arch}.*` metadata and its tensor table."""
-    arch = meta.string("general.architecture")
-    if arch not in ("llama", "qwen2", "qwen3", "phi3", "qwen3moe", "gemma2", "gemma3"):
-        raise NotImplementedError(f"GGUF architecture {arch!r} is not supported")
-
-    def integer(key: str) -> int:
-        return _required(meta.integer(f"{arch}.{key}"), meta, f"{arch}.{key}")
-
-    hidden = integer("embedding_length")
-    num_heads = integer("attention.head_count")
-    vocab = meta.integer(f"{arch}.vocab_size")
-    if vocab is None:  # older files: the embedding matrix says it (gguf shapes are reversed)
-        vocab = meta.tensors["token_embd.weight"].shape[-1]
-    freq_factors = None
-    if "rope_freqs.weight" in meta.tensors:
-        freq_factors = tuple(_gguf_tensor_values(meta, "rope_freqs.weight"))
-    head_dim = meta.integer(f"{arch}.attention.key_length", hidden // num_heads)
-    rotary_dim = meta.integer(f"{arch}.rope.dimension_count", head_dim)
-    # Phi-3's window; llama.cpp writes 0 for Phi-4, which has none.
-    window = meta.integer(f"{arch}.attention.sliding_window") if arch == "phi3" else None
-    longrope = None
-    if "rope_factors_long.weight" in meta.tensors:  # Phi-3's LongRoPE, as llama.cpp stores it
-        longrope = LongRope(
-            short_factor=tuple(_gguf_tensor_values(meta, "rope_factors_short.weight")),
-            long_factor=tuple(_gguf_tensor_values(meta, "rope_factors_long.weight")),
-            original_max_position_embeddings=integer("rope.scaling.original_context_length"),
-            attention_factor=meta.number(f"{arch}.rope.scaling.attn_factor", 1.0),
-        )
-    moe = _moe_from_gguf(meta, arch, integer("block_count"))
-    gemma = _gemma_from_gguf(meta, arch, head_dim) if arch in ("gemma2", "gemma3") else {}
-    if gemma:
-        window = gemma.pop("sliding_window")
-    return ModelConfig(
-        # llama.cpp writes Mixtral as llama with experts; the registry knows it as mixtral.
-        architecture="mixtral" if arch == "llama" and moe else arch,
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=integer("feed_forward_length"),
-        num_layers=integer("block_count"),
-        num_heads=num_heads,
-        num_kv_heads=meta.integer(f"{arch}.attention.head_count_kv", num_heads),
-        head_dim=head_dim,
-        rms_norm_eps=meta.number(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
-        rope_theta=meta.number(f"{arch}.rope.freq_base", 10000.0),
-        max_position_embeddings=meta.integer(f"{arch}.context_length", 2048),
-        tie_word_embeddings="output.weight" not in meta.tensors,
-        rope_freq_factors=freq_factors,
-        attention_bias=arch == "qwen2",
-        bos_token_id=meta.integer("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=_ids(meta.get("tokenizer.ggml.eos_token_id")),
-        sliding_window=window or None,
-        rotary_dim=rotary_dim if rotary_dim != head_dim else None,
-        longrope=longrope,
-        **moe,
-        **gemma,
-    )
-
-
-# llama.cpp's attention scale for the 27B models (by layer count), whose
-# query_pre_attn_scalar is hidden / heads rather than head_dim; GGUF has no key for it.
-_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-
-
-def _gemma_from_gguf(meta: GGUFMetadata, arch: str, head_dim: int) -> dict[str, Any]:
-    """Gemma 2/3's fields as llama.cpp reads them: sliding layers from
-    `attention.sliding_window_pattern` (a period, or a flag per layer) else its fixed
-    period (2 for Gemma 2, 6 for Gemma 3; the last layer of each global), Gemma 3's local
-    rope base fixed at 10000 and its linear scaling (global layers), the caps."""
-    num_layers = _required(meta.integer(f"{arch}.block_count"), meta, f"{arch}.block_count")
-    window = meta.integer(f"{arch}.attention.sliding_window")
-    pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
-    if isinstance(pattern, list):
-        sliding = [bool(p) for p in pattern]
-    else:
-        period = int(pattern or (2 if arch == "gemma2" else 6))
-        sliding = [(i + 1) % period != 0 for i in range(num_layers)]
-    scalar = float(head_dim)
-    if num_layers == _GEMMA_27B_LAYERS[arch]:
-        hidden = meta.integer(f"{arch}.embedding_length", 0)
-        scalar = float(hidden // meta.integer(f"{arch}.attention.head_count", 1))
-    linear = None
-    if meta.string(f"{arch}.rope.scaling.type") == "linear":
-        linear = meta.number(f"{arch}.rope.scaling.factor")
-    return {
-        "sliding_window": window,
-        "layer_windows": tuple(window if s else None for s in sliding),
-        "query_pre_attn_scalar": scalar,
-        "attn_logit_softcapping": meta.number(f"{arch}.attn_logit_softcapping"),
-        "final_logit_softcapping": meta.number(f"{arch}.final_logit_softcapping"),
-        "rope_local_theta": 10000.0 if arch == "gemma3" else None,
-        "rope_linear_factor": linear,
-    }
-
-
-def _moe_from_gguf(meta: GGUFMetadata, arch: str, num_layers: int) -> dict[str, Any]:
-    """ModelConfig's expert fields from llama.cpp's `{arch}.expert_*` keys. llama.cpp
-    renormalises the top-k weights of Mixtral and Qwen3-MoE unless the file says otherwise;
-    a layer without a router tensor is dense."""
-    num_experts = meta.integer(f"{arch}.expert_count", 0)
-    if not num_experts:
-        return {}
-    inner = meta.integer(f"{arch}.expert_feed_forward_length")
-    norm = meta.get(f"{arch}.expert_weights_norm")
-    routed = {i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in meta.tensors}
-    return {
-        "num_experts": num_experts,
-        "num_experts_per_tok": _required(
-            meta.integer(f"{arch}.expert_used_count"), meta, f"{arch}.expert_used_count"
-        ),
-        "moe_intermediate_size": inner or meta.integer(f"{arch}.feed_forward_length"),
-        "norm_topk_prob": True if norm is None else bool(norm),
-        "dense_layers": tuple(i for i in range(num_layers) if i not in routed),
-    }
 
 
 _GGUF_GLOBAL = {

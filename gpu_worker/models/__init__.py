@@ -1,7 +1,8 @@
 """Model implementations, looked up by architecture name.
 
 Keys are HF `architectures[0]` names (config.json) and GGUF `general.architecture` values;
-the loader picks the class from `ModelConfig.architecture`.
+the loader picks the class from `ModelConfig.architecture`. Each class reads its own configs
+(`CausalLM.config_from_hf` / `config_from_gguf`), so a family is its file and its lines here.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from gpu_worker.models.phi3 import Phi3ForCausalLM
 from gpu_worker.models.qwen3 import Qwen3ForCausalLM
 from gpu_worker.models.qwen3_moe import Qwen3MoeForCausalLM
 
-MODEL_REGISTRY: dict[str, type[CausalLM]] = {
+HF_ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
@@ -25,17 +26,40 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
-    # GGUF architecture names (Mistral GGUFs say "llama").
-    "llama": LlamaForCausalLM,
+}
+"""config.json's `architectures[0]` -> the class that serves it."""
+
+HF_MODEL_TYPES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+}
+"""config.json's `model_type` -> its architecture, for a config.json without `architectures`."""
+
+GGUF_ARCHITECTURES: dict[str, type[CausalLM]] = {
+    "llama": LlamaForCausalLM,  # Mistral's and Mixtral's GGUFs say llama too
     "qwen2": LlamaForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "phi3": Phi3ForCausalLM,
     "qwen3moe": Qwen3MoeForCausalLM,
     "gemma2": Gemma2ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
+}
+"""GGUF `general.architecture` -> the class that serves it."""
+
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {
+    **HF_ARCHITECTURES,
+    **GGUF_ARCHITECTURES,
     # The loader's name for a GGUF llama with `llama.expert_count` (Mixtral).
     "mixtral": MixtralForCausalLM,
 }
+"""Every name `ModelConfig.architecture` may hold -> the class that serves it."""
 
 
 def get_model_class(architecture: str) -> type[CausalLM]:
@@ -48,6 +72,9 @@ def get_model_class(architecture: str) -> type[CausalLM]:
 
 
 __all__ = [
+    "GGUF_ARCHITECTURES",
+    "HF_ARCHITECTURES",
+    "HF_MODEL_TYPES",
     "MODEL_REGISTRY",
     "CausalLM",
     "Gemma2ForCausalLM",

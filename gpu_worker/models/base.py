@@ -1,9 +1,11 @@
-"""What every model family provides to the loader and the model runner."""
+"""What every model family provides to the loader and the model runner: its configs read
+from config.json and GGUF metadata, and the model itself."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -13,6 +15,7 @@ from gpu_worker.attention.metadata import AttentionMetadata
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.ops.gguf_linear import QuantizedWeight
 from gpu_worker.ops.layer_ops import LayerOps
+from shared.gguf_metadata import GGUFMetadata
 
 
 class CausalLM(nn.Module, ABC):
@@ -29,6 +32,16 @@ class CausalLM(nn.Module, ABC):
         self.config = config
         self.attn_backend = backend
         """The backend every attention layer calls; the model runner plans each step on it."""
+
+    @classmethod
+    @abstractmethod
+    def config_from_hf(cls, architecture: str, hf_config: Mapping[str, Any]) -> ModelConfig:
+        """The config of a checkpoint whose config.json names `architecture`."""
+
+    @classmethod
+    @abstractmethod
+    def config_from_gguf(cls, architecture: str, metadata: GGUFMetadata) -> ModelConfig:
+        """The config of a GGUF file whose `general.architecture` is `architecture`."""
 
     @abstractmethod
     def forward(

@@ -9,12 +9,16 @@
 
 The attention scale (`query_pre_attn_scalar`) and score soft-capping are Llama attention's,
 read from `ModelConfig`. Gemma 3's local layers rotate with their own base
-(`rope_local_theta`), which is why the forward picks rotary tables per layer.
+(`rope_local_theta`), which is why the forward picks rotary tables per layer. Both
+generations read their configs here, each with its own `GemmaDefaults`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +27,8 @@ from torch import nn
 from gpu_worker.attention.backend import AttentionBackend
 from gpu_worker.attention.metadata import AttentionMetadata
 from gpu_worker.models.config import ModelConfig
+from gpu_worker.models.gguf_config import base_config_from_gguf, required_integer
+from gpu_worker.models.hf_config import base_config_from_hf, layer_windows, rope_parameters
 from gpu_worker.models.llama import (
     MLP,
     Attention,
@@ -32,6 +38,27 @@ from gpu_worker.models.llama import (
     RotaryEmbedding,
 )
 from gpu_worker.ops.layer_ops import LayerOps, RotaryTables
+from shared.gguf_metadata import GGUFMetadata
+
+
+@dataclass(frozen=True)
+class GemmaDefaults:
+    """What a Gemma generation's config may leave out, as its transformers config class
+    (config.json) or llama.cpp (GGUF) fills it in."""
+
+    rope_theta: float
+    """The global layers' rotary base (config.json)."""
+    rope_local_theta: float | None
+    """The local layers' rotary base (GGUF: always this); None: the global one."""
+    sliding_period: int
+    """The last layer of each period attends globally, the others slide."""
+    sliding_period_key: str | None
+    """The config.json key that sets the period, where the generation has one."""
+    logit_softcaps: tuple[float | None, float | None]
+    """(attention, final) soft-caps when config.json leaves them out."""
+    num_layers_27b: int
+    """The 27B model's layer count: llama.cpp scales its attention by hidden / heads rather
+    than head_dim, and GGUF has no key for it."""
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -129,6 +156,72 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.is_local = [config.window_of(i) is not None for i in range(config.num_layers)]
         self.embed_scale: torch.Tensor
         self.register_buffer("embed_scale", torch.empty(0), persistent=False)
+
+    config_defaults: ClassVar[GemmaDefaults]
+    """The generation's defaults (its own file's)."""
+
+    @classmethod
+    def config_from_hf(cls, architecture: str, hf_config: Mapping[str, Any]) -> ModelConfig:
+        """Which layers slide (`layer_types`, else each period's last layer global), the
+        local layers' rope base, the attention scale and the caps."""
+        cfg, defaults = hf_config, cls.config_defaults
+        if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+            raise NotImplementedError(f"{architecture}: only tanh-approximated GeGLU is supported")
+        config = base_config_from_hf(architecture, cfg, default_rope_theta=defaults.rope_theta)
+        window = cfg.get("sliding_window", 4096)
+        period = defaults.sliding_period
+        if defaults.sliding_period_key is not None:
+            period = cfg.get(defaults.sliding_period_key, period)
+        types = cfg.get("layer_types") or [
+            "sliding_attention" if (i + 1) % period else "full_attention"
+            for i in range(config.num_layers)
+        ]
+        local_rope = rope_parameters(cfg)[1]
+        local_theta = (local_rope or {}).get("rope_theta") or cfg.get("rope_local_base_freq")
+        if local_theta is None:
+            local_theta = defaults.rope_local_theta
+        attn_cap, final_cap = defaults.logit_softcaps
+        return dataclasses.replace(
+            config,
+            sliding_window=window,
+            layer_windows=layer_windows(types, window),
+            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping", attn_cap),
+            final_logit_softcapping=cfg.get("final_logit_softcapping", final_cap),
+            rope_local_theta=None if local_theta is None else float(local_theta),
+        )
+
+    @classmethod
+    def config_from_gguf(cls, architecture: str, metadata: GGUFMetadata) -> ModelConfig:
+        """As llama.cpp reads it: sliding layers from `attention.sliding_window_pattern` (a
+        period, or a flag per layer) else the generation's period, the local rope base
+        fixed, linear rope scaling (global layers), the caps."""
+        arch, meta, defaults = architecture, metadata, cls.config_defaults
+        config = base_config_from_gguf(arch, meta)
+        num_layers = required_integer(meta, f"{arch}.block_count")
+        window = meta.integer(f"{arch}.attention.sliding_window")
+        pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+        if isinstance(pattern, list):
+            sliding = [bool(p) for p in pattern]
+        else:
+            period = int(pattern or defaults.sliding_period)
+            sliding = [(i + 1) % period != 0 for i in range(num_layers)]
+        scalar = float(config.head_dim)
+        if num_layers == defaults.num_layers_27b:
+            scalar = float(config.hidden_size // config.num_heads)
+        linear = None
+        if meta.string(f"{arch}.rope.scaling.type") == "linear":
+            linear = meta.number(f"{arch}.rope.scaling.factor")
+        return dataclasses.replace(
+            config,
+            sliding_window=window or None,
+            layer_windows=tuple(window if s else None for s in sliding),
+            query_pre_attn_scalar=scalar,
+            attn_logit_softcapping=meta.number(f"{arch}.attn_logit_softcapping"),
+            final_logit_softcapping=meta.number(f"{arch}.final_logit_softcapping"),
+            rope_local_theta=defaults.rope_local_theta,
+            rope_linear_factor=linear,
+        )
 
     def build_mlp(self, config: ModelConfig, ops: LayerOps, layer: int) -> nn.Module:
         return GemmaMLP(config, ops)

@@ -9,7 +9,7 @@ import torch
 
 from gpu_worker.attention.backend import AttentionBackend
 from gpu_worker.models.config import ModelConfig
-from gpu_worker.models.gemma import GemmaForCausalLM, GemmaRMSNorm
+from gpu_worker.models.gemma import GemmaDefaults, GemmaForCausalLM, GemmaRMSNorm
 from gpu_worker.models.llama import Attention
 from gpu_worker.ops.layer_ops import LayerOps
 
@@ -32,3 +32,12 @@ class Gemma3ForCausalLM(GemmaForCausalLM):
     """Gemma 3 1B and the text decoder of the larger ones."""
 
     attention = Gemma3Attention
+    # Gemma3TextConfig's: five local layers to one global, no soft-caps.
+    config_defaults = GemmaDefaults(
+        rope_theta=1_000_000.0,
+        rope_local_theta=10000.0,
+        sliding_period=6,
+        sliding_period_key="sliding_window_pattern",
+        logit_softcaps=(None, None),
+        num_layers_27b=62,
+    )

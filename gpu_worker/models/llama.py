@@ -9,8 +9,10 @@ bf16, GGUF blocks) are `gpu_worker.ops.linear`'s.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,6 +21,8 @@ from gpu_worker.attention.backend import AttentionBackend
 from gpu_worker.attention.metadata import AttentionMetadata
 from gpu_worker.models.base import CausalLM
 from gpu_worker.models.config import ModelConfig
+from gpu_worker.models.gguf_config import base_config_from_gguf
+from gpu_worker.models.hf_config import base_config_from_hf, check_silu_mlp, layer_windows
 from gpu_worker.models.weights import load_stacked_weights
 from gpu_worker.ops.cpu_precision import bf16_copy, fast_linears
 from gpu_worker.ops.gguf_linear import QuantizedWeight
@@ -30,6 +34,7 @@ from gpu_worker.ops.linear import (
     attach_quantized,
     prepack_linears,
 )
+from shared.gguf_metadata import GGUFMetadata
 
 
 class RMSNorm(nn.Module):
@@ -268,6 +273,21 @@ class LlamaModel(nn.Module):
         self.norm = layer.norm_class(config.hidden_size, config.rms_norm_eps, ops)
 
 
+def qwen_windows(config: ModelConfig, hf_config: Mapping[str, Any]) -> ModelConfig:
+    """Qwen2/3's sliding layers, as transformers decides: none without `use_sliding_window`,
+    else config.json's `layer_types`, else every layer from `max_window_layers` on (the first
+    ones attend globally)."""
+    window = config.sliding_window if hf_config.get("use_sliding_window") else None
+    if window is None:
+        return dataclasses.replace(config, sliding_window=None)
+    first = hf_config.get("max_window_layers", 28)
+    default = [
+        "sliding_attention" if i >= first else "full_attention" for i in range(config.num_layers)
+    ]
+    types = hf_config.get("layer_types") or default
+    return dataclasses.replace(config, layer_windows=layer_windows(types, window))
+
+
 class LlamaForCausalLM(CausalLM):
     """Causal LM head over `LlamaModel`; serves every architecture in the Llama family."""
 
@@ -290,6 +310,28 @@ class LlamaForCausalLM(CausalLM):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.logits_head = LogitsHead()
+
+    @classmethod
+    def config_from_hf(cls, architecture: str, hf_config: Mapping[str, Any]) -> ModelConfig:
+        """Llama's and Mistral's fields as every family reads them; Qwen2's q/k/v carry a
+        bias (its output projection none) and its sliding window is `qwen_windows`'."""
+        check_silu_mlp(architecture, hf_config)
+        config = base_config_from_hf(architecture, hf_config)
+        if architecture == "Qwen2ForCausalLM":
+            config = dataclasses.replace(config, attention_bias=True, attention_out_bias=False)
+            config = qwen_windows(config, hf_config)
+        return config
+
+    @classmethod
+    def config_from_gguf(cls, architecture: str, metadata: GGUFMetadata) -> ModelConfig:
+        """Every family's fields; qwen2's q/k/v carry a bias."""
+        config = base_config_from_gguf(architecture, metadata)
+        if architecture == "qwen2":
+            return dataclasses.replace(config, attention_bias=True)
+        if architecture == "llama" and config.num_experts:
+            # llama.cpp writes Mixtral as llama with experts; the registry knows it as mixtral.
+            return dataclasses.replace(config, architecture="mixtral")
+        return config
 
     def build_mlp(self, config: ModelConfig, ops: LayerOps, layer: int) -> nn.Module:
         """Decoder layer `layer`'s feed-forward block: families with experts override it."""

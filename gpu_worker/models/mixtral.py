@@ -7,8 +7,10 @@ and w2 (down); they load under the Qwen-style names the shared block uses.
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,6 +35,17 @@ def _hf_moe_names(
 
 class MixtralForCausalLM(LlamaForCausalLM):
     """Mixtral (HF `MixtralForCausalLM`; GGUF `llama` with `llama.expert_count`)."""
+
+    @classmethod
+    def config_from_hf(cls, architecture: str, hf_config: Mapping[str, Any]) -> ModelConfig:
+        """Llama's, with the experts as transformers' MixtralConfig reads them."""
+        return dataclasses.replace(
+            super().config_from_hf(architecture, hf_config),
+            num_experts=hf_config.get("num_local_experts", 8),
+            num_experts_per_tok=hf_config.get("num_experts_per_tok", 2),
+            moe_intermediate_size=hf_config["intermediate_size"],
+            norm_topk_prob=True,
+        )
 
     def build_mlp(self, config: ModelConfig, ops: LayerOps, layer: int) -> nn.Module:
         return moe_or_dense_mlp(config, ops, layer)

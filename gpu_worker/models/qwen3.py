@@ -2,17 +2,21 @@
 
 Everything else is `gpu_worker.models.llama`: no QKV bias (unless the config asks for it, as
 HF's does), an explicit `head_dim` that may differ from hidden / heads, tied or untied
-embeddings. The norms' weights load under HF's names (`self_attn.q_norm.weight`); the GGUF
-loader maps llama.cpp's `attn_q_norm` / `attn_k_norm` onto them.
+embeddings; Qwen2's sliding layers (`qwen_windows`). The norms' weights load under HF's
+names (`self_attn.q_norm.weight`); the GGUF loader maps llama.cpp's `attn_q_norm` /
+`attn_k_norm` onto them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from gpu_worker.attention.backend import AttentionBackend
 from gpu_worker.models.config import ModelConfig
-from gpu_worker.models.llama import Attention, LlamaForCausalLM, RMSNorm
+from gpu_worker.models.llama import Attention, LlamaForCausalLM, RMSNorm, qwen_windows
 from gpu_worker.ops.layer_ops import LayerOps
 
 
@@ -35,3 +39,7 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3 dense models (HF `Qwen3ForCausalLM`, GGUF `qwen3`)."""
 
     attention = Qwen3Attention
+
+    @classmethod
+    def config_from_hf(cls, architecture: str, hf_config: Mapping[str, Any]) -> ModelConfig:
+        return qwen_windows(super().config_from_hf(architecture, hf_config), hf_config)

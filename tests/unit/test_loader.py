@@ -11,15 +11,9 @@ import pytest
 import torch
 import transformers
 
-from gpu_worker.loader import (
-    ModelConfig,
-    RopeScaling,
-    config_from_hf,
-    gguf_to_hf_name,
-    load_model,
-    unpermute_qk,
-)
+from gpu_worker.loader import config_from_hf, gguf_to_hf_name, load_model, unpermute_qk
 from gpu_worker.models import LlamaForCausalLM
+from gpu_worker.models.config import ModelConfig, RopeScaling
 from shared.model_source import ModelSource, resolve_model
 from tests.helpers.tiny_models import PagedRunner, save_tiny_model
 

@@ -21,12 +21,14 @@ def free_port() -> int:
 def wait_ready_line(process: subprocess.Popen, marker: str, timeout_s: float) -> bool:
     """Read the process's (text) stdout until a line holds `marker`; False when it exits
     or `timeout_s` passes first. select() bounds each wait, even on a silent process."""
+    stdout = process.stdout
+    assert stdout is not None, "start the process with stdout=PIPE, text=True"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        readable, _, _ = select.select([process.stdout], [], [], 1.0)
+        readable, _, _ = select.select([stdout], [], [], 1.0)
         if not readable:
             continue
-        line = process.stdout.readline()
+        line = stdout.readline()
         if marker in line:
             return True
         if not line and process.poll() is not None:

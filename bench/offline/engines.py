@@ -56,7 +56,7 @@ def time_forward(engine: Engine) -> ForwardTimer:
     decode graph replays, which bypass runner.model and are forward time too."""
     runner = engine.runner
     timer = ForwardTimer(runner.model, engine.device)
-    runner.model = timer
+    runner.model = timer  # type: ignore[assignment]  # forwards every other attribute
     graphs = runner.decode_graphs
     if graphs is not None:
         replay = graphs.run

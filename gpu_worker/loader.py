@@ -31,6 +31,7 @@ from gpu_worker.distributed.parallelize import parallelize
 from gpu_worker.gguf_tensors import GGUFTensorSource
 from gpu_worker.models import GGUF_ARCHITECTURES, HF_MODEL_TYPES, CausalLM, get_model_class
 from gpu_worker.models.config import ModelConfig
+from gpu_worker.models.gguf_layout import GGUFLayout
 from gpu_worker.models.weights import TensorSource
 from gpu_worker.ops.gguf_linear import (
     QuantizedWeight,
@@ -86,61 +87,13 @@ def iter_hf_slices(model_dir: Path) -> Iterator[tuple[str, TensorSource]]:
                 yield name, f.get_slice(name)
 
 
-_GGUF_GLOBAL = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_GGUF_LAYER = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_qkv": "self_attn.qkv_proj",  # Phi-3
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q_norm": "self_attn.q_norm",  # Qwen3
-    "attn_k_norm": "self_attn.k_norm",
-    # MoE (Mixtral, Qwen3-MoE): the router, and each projection of all experts at once.
-    "ffn_gate_inp": "mlp.gate",
-    "ffn_gate_exps": "mlp.experts.gate_proj",
-    "ffn_up_exps": "mlp.experts.up_proj",
-    "ffn_down_exps": "mlp.experts.down_proj",
-}
-
-# llama.cpp permutes q/k rows only for its llama arch (Mixtral included).
-_PERMUTED_QK = ("llama", "mixtral")
-
-
-# Where an architecture's tensor holds something else under the same GGUF name.
-_GGUF_GEMMA_LAYER = {
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-_GGUF_LAYER_OF_ARCH = {
-    "phi3": {"ffn_up": "mlp.gate_up_proj"},  # gate and up, fused as in HF's checkpoint
-    "gemma2": _GGUF_GEMMA_LAYER,
-    "gemma3": _GGUF_GEMMA_LAYER,
-}
-
-# llama.cpp's converter stores Gemma's norm weights with the 1 of (1 + weight) added.
-_NORM_PLUS_ONE = ("gemma2", "gemma3")
-
-
 def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unused."""
-    parts = name.split(".")
-    layer_names = _GGUF_LAYER_OF_ARCH.get(arch, {})
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER.keys() | layer_names:
-        hf = layer_names.get(parts[2]) or _GGUF_LAYER[parts[2]]
-        return f"model.layers.{parts[1]}.{hf}.{parts[3]}"
-    if len(parts) == 2 and parts[0] in _GGUF_GLOBAL:
-        return f"{_GGUF_GLOBAL[parts[0]]}.{parts[1]}"
-    return None
+    return _gguf_layout(arch).hf_name(name)
+
+
+def _gguf_layout(arch: str) -> GGUFLayout:
+    return get_model_class(arch).gguf_layout(arch)
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -152,30 +105,30 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _dequantize(tensor: ReaderTensor, name: str, config: ModelConfig) -> torch.Tensor:
+def _dequantize(
+    tensor: ReaderTensor, name: str, config: ModelConfig, layout: GGUFLayout
+) -> torch.Tensor:
     array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     # gguf lists dimensions innermost first; numpy/torch want them outermost first.
     array = array.reshape(tuple(int(d) for d in reversed(tensor.shape)))
-    if config.architecture in _PERMUTED_QK:
+    if layout.permuted_qk:
         if ".q_proj." in name:
             array = unpermute_qk(array, config.num_heads)
         elif ".k_proj." in name:
             array = unpermute_qk(array, config.num_kv_heads)
-    if _is_stored_plus_one(name, config):
+    if layout.is_stored_plus_one(name):
         array = array - 1.0  # a new array
     if not array.flags.writeable:  # F32 tensors come back as views of the read-only mmap
         array = array.copy()
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
 
 
-def _is_stored_plus_one(name: str, config: ModelConfig) -> bool:
-    return config.architecture in _NORM_PLUS_ONE and name.endswith("norm.weight")
-
-
-def _qk_row_order(name: str, rows: int, config: ModelConfig) -> np.ndarray | None:
+def _qk_row_order(
+    name: str, rows: int, config: ModelConfig, layout: GGUFLayout
+) -> np.ndarray | None:
     """`unpermute_qk` as row indices (for weights kept in their GGUF blocks); None for
     tensors it leaves alone."""
-    if config.architecture not in _PERMUTED_QK:
+    if not layout.permuted_qk:
         return None
     if ".q_proj." in name:
         return unpermute_qk(np.arange(rows), config.num_heads)
@@ -187,11 +140,11 @@ def _qk_row_order(name: str, rows: int, config: ModelConfig) -> np.ndarray | Non
 def gguf_block_weights(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, QuantizedWeight]:
     """HF name -> `QuantizedWeight` for each matrix in a type the CPU kernel reads
     (`gguf_linear.SUPPORTED_TYPES`: Q4_0 .. Q8_0, Q4_K, Q5_K, Q6_K), Q/K rows in HF order."""
-    arch = config.architecture
-    named = [(n, t) for t in reader.tensors if (n := gguf_to_hf_name(t.name, arch)) is not None]
+    layout = _gguf_layout(config.architecture)
+    named = [(n, t) for t in reader.tensors if (n := layout.hf_name(t.name)) is not None]
     orders = {}
     for name, tensor in named:
-        order = _qk_row_order(name, int(tensor.shape[-1]), config)
+        order = _qk_row_order(name, int(tensor.shape[-1]), config, layout)
         if order is not None:
             orders[name] = order
     return gguf_quantized_weights(named, orders)
@@ -205,13 +158,13 @@ def iter_gguf_weights(
     numpy releases the GIL, so a few tensors are dequantized ahead on worker threads; the
     window is bounded so that at most `num_threads` fp32 tensors wait in memory at once."""
     # Unmapped tensors (rope_freqs, rope_factors_*) are already folded into the config.
-    arch = config.architecture
-    named = [(t, n) for t in reader.tensors if (n := gguf_to_hf_name(t.name, arch)) is not None]
+    layout = _gguf_layout(config.architecture)
+    named = [(t, n) for t in reader.tensors if (n := layout.hf_name(t.name)) is not None]
     window = num_threads or min(8, os.cpu_count() or 1)
     with ThreadPoolExecutor(window) as pool:
         pending: deque[tuple[str, Future[torch.Tensor]]] = deque()
         for tensor, name in named:
-            pending.append((name, pool.submit(_dequantize, tensor, name, config)))
+            pending.append((name, pool.submit(_dequantize, tensor, name, config, layout)))
             if len(pending) >= window:
                 done_name, future = pending.popleft()
                 yield done_name, future.result()
@@ -226,13 +179,13 @@ def iter_gguf_slices(
     """`iter_gguf_weights`, each tensor lazy: indexing it dequantizes only the rows (and the
     blocks of columns) it names, Q/K rows read through their HF order, so a
     tensor-parallel rank never dequantizes a whole tensor."""
-    arch = config.architecture
+    layout = _gguf_layout(config.architecture)
     for tensor in reader.tensors:
-        name = gguf_to_hf_name(tensor.name, arch)
+        name = layout.hf_name(tensor.name)
         if name is None:
             continue
-        order = _qk_row_order(name, int(tensor.shape[-1]), config)
-        offset = 1.0 if _is_stored_plus_one(name, config) else 0.0
+        order = _qk_row_order(name, int(tensor.shape[-1]), config, layout)
+        offset = 1.0 if layout.is_stored_plus_one(name) else 0.0
         yield name, GGUFTensorSource(tensor, order, offset)
 
 

@@ -1,5 +1,5 @@
 """What every model family provides to the loader and the model runner: its configs read
-from config.json and GGUF metadata, and the model itself."""
+from config.json and GGUF metadata, its GGUF tensor layout, and the model itself."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from torch import nn
 from gpu_worker.attention.backend import AttentionBackend
 from gpu_worker.attention.metadata import AttentionMetadata
 from gpu_worker.models.config import ModelConfig
+from gpu_worker.models.gguf_layout import GGUFLayout
 from gpu_worker.ops.gguf_linear import QuantizedWeight
 from gpu_worker.ops.layer_ops import LayerOps
 from shared.gguf_metadata import GGUFMetadata
@@ -42,6 +43,11 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def config_from_gguf(cls, architecture: str, metadata: GGUFMetadata) -> ModelConfig:
         """The config of a GGUF file whose `general.architecture` is `architecture`."""
+
+    @classmethod
+    def gguf_layout(cls, architecture: str) -> GGUFLayout:
+        """How llama.cpp stores the tensors of `architecture` (its usual names here)."""
+        return GGUFLayout()
 
     @abstractmethod
     def forward(

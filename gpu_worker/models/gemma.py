@@ -28,6 +28,7 @@ from gpu_worker.attention.backend import AttentionBackend
 from gpu_worker.attention.metadata import AttentionMetadata
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.models.gguf_config import base_config_from_gguf, required_integer
+from gpu_worker.models.gguf_layout import GGUFLayout
 from gpu_worker.models.hf_config import base_config_from_hf, layer_windows, rope_parameters
 from gpu_worker.models.llama import (
     MLP,
@@ -39,6 +40,13 @@ from gpu_worker.models.llama import (
 )
 from gpu_worker.ops.layer_ops import LayerOps, RotaryTables
 from shared.gguf_metadata import GGUFMetadata
+
+# Where llama.cpp's Gemma tensor holds something else under the usual GGUF name.
+_GGUF_LAYER_NAMES = {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 
 
 @dataclass(frozen=True)
@@ -222,6 +230,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
             rope_local_theta=defaults.rope_local_theta,
             rope_linear_factor=linear,
         )
+
+    @classmethod
+    def gguf_layout(cls, architecture: str) -> GGUFLayout:
+        # llama.cpp's converter stores the norm weights with the 1 of (1 + weight) added.
+        return GGUFLayout(layer_names=_GGUF_LAYER_NAMES, norm_plus_one=True)
 
     def build_mlp(self, config: ModelConfig, ops: LayerOps, layer: int) -> nn.Module:
         return GemmaMLP(config, ops)

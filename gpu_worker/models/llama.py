@@ -22,6 +22,7 @@ from gpu_worker.attention.metadata import AttentionMetadata
 from gpu_worker.models.base import CausalLM
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.models.gguf_config import base_config_from_gguf
+from gpu_worker.models.gguf_layout import GGUFLayout
 from gpu_worker.models.hf_config import base_config_from_hf, check_silu_mlp, layer_windows
 from gpu_worker.models.weights import load_stacked_weights
 from gpu_worker.ops.cpu_precision import bf16_copy, fast_linears
@@ -332,6 +333,11 @@ class LlamaForCausalLM(CausalLM):
             # llama.cpp writes Mixtral as llama with experts; the registry knows it as mixtral.
             return dataclasses.replace(config, architecture="mixtral")
         return config
+
+    @classmethod
+    def gguf_layout(cls, architecture: str) -> GGUFLayout:
+        # llama.cpp permutes q/k rows only for its llama arch (Mixtral included).
+        return GGUFLayout(permuted_qk=architecture in ("llama", "mixtral"))
 
     def build_mlp(self, config: ModelConfig, ops: LayerOps, layer: int) -> nn.Module:
         """Decoder layer `layer`'s feed-forward block: families with experts override it."""

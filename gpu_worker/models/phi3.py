@@ -8,7 +8,8 @@ What sets the family apart is all config or checkpoint layout, none of it model 
   `gpu_worker.models.llama`'s rotary (`rope_inv_freq`, `Attention.rotate`), read from
   `ModelConfig.rotary_dim` / `longrope`;
 - Phi-3-mini-4k's sliding window is the generic one (`ModelConfig.sliding_window`);
-- Phi3Config's old names for rope type longrope (`su`, `yarn`).
+- Phi3Config's old names for rope type longrope (`su`, `yarn`), and llama.cpp's `ffn_up`,
+  which holds gate and up fused as HF's checkpoint does.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.models.gguf_config import base_config_from_gguf
+from gpu_worker.models.gguf_layout import GGUFLayout
 from gpu_worker.models.hf_config import base_config_from_hf, check_silu_mlp
 from gpu_worker.models.llama import LlamaForCausalLM
 from gpu_worker.ops.linear import StackedParams
@@ -39,6 +41,10 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         window = metadata.integer(f"{architecture}.attention.sliding_window")
         config = base_config_from_gguf(architecture, metadata)
         return dataclasses.replace(config, sliding_window=window or None)
+
+    @classmethod
+    def gguf_layout(cls, architecture: str) -> GGUFLayout:
+        return GGUFLayout(layer_names={"ffn_up": "mlp.gate_up_proj"})
 
     def stacked_params(self) -> StackedParams:
         # Nothing to stack: the checkpoint's fused tensors are our parameters, by name.

@@ -37,6 +37,12 @@ such a machine (none was available).
     python -m bench.engine --quick --tensor-parallel-size 2  # 2 ranks x 1 vs 1 x 2 threads
     python -m bench.engine --lora 1 4 8         # LoRA adapters against the base model
     python -m bench.engine --speculative ngram suffix draft_model  # against no speculation
+    python -m bench.engine --async-scheduling on off  # host work hidden, device stand-in
+
+With `--async-scheduling` the run is instead the overlap stand-in (bench/offline/
+async_overlap.py): the model's work becomes a timer the host is free during, as a GPU's
+is, and the table gives the share of a decode step at `--batch` that is host work outside
+the device's time, with async scheduling on and off.
 
 The cases live in bench/offline/ (comparison, tensor_parallel, lora_engine, speculative);
 this module is their command line."""
@@ -50,6 +56,7 @@ import torch
 
 from bench.common.machine import load_average
 from bench.common.workload import build_workload
+from bench.offline.async_overlap import run_async_overlap
 from bench.offline.comparison import run_comparison, write_engine_section
 from bench.offline.lora_engine import run_lora, write_lora_section
 from bench.offline.speculative import run_speculative
@@ -122,6 +129,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead: speculative decoding with these methods against none on copy-heavy "
         "and mixed chat workloads at --concurrency (bench/offline/speculative.py)",
     )
+    parser.add_argument(
+        "--async-scheduling",
+        nargs="+",
+        choices=["on", "off"],
+        help="instead: the overlap stand-in with async scheduling on and/or off",
+    )
+    parser.add_argument("--batch", type=int, default=256, help="--async-scheduling's batch")
+    parser.add_argument("--steps", type=int, default=64, help="--async-scheduling's steps")
+    parser.add_argument(
+        "--device-ms",
+        type=float,
+        default=None,
+        help="--async-scheduling: the stand-in device's step (default: the host's own)",
+    )
     parser.add_argument("--no-write", action="store_true", help="do not update RESULTS.md")
     return parser
 
@@ -136,6 +157,9 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     if args.methods:
         run_speculative(args)
+        return
+    if args.async_scheduling:
+        run_async_overlap(args)
         return
 
     source = resolve_model(args.model)

@@ -38,7 +38,7 @@ import torch
 from gpu_worker.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from gpu_worker.core.kv_cache import KVCacheManager
 from gpu_worker.core.outputs import ModelRunnerOutput
-from gpu_worker.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from gpu_worker.core.scheduler import Scheduler
 from gpu_worker.core.sequence import FinishReason, Sequence
 from gpu_worker.distributed.group import TPGroup
 from gpu_worker.engine.admission import Admission
@@ -49,14 +49,13 @@ from gpu_worker.engine.lora_ops import LoRAOpResult, build_lora, load_lora, unlo
 from gpu_worker.engine.profile_sampling import profile_sampling
 from gpu_worker.engine.rank import RankModel, build_runner, load_rank_model
 from gpu_worker.engine.speculation import Speculator
+from gpu_worker.engine.step_sampling import LaunchedStep, launch_sampling
 from gpu_worker.lora.layers import LoRAState
 from gpu_worker.lora.manager import LoRARegistry
-from gpu_worker.runner.model_runner import ModelRunner, RunnerOutput
-from gpu_worker.sampling.penalties import has_penalty
-from gpu_worker.sampling.sampled_tokens import SampledTokenCopy, SampledTokens
+from gpu_worker.runner.model_runner import ModelRunner
+from gpu_worker.sampling.sampled_tokens import SampledTokenCopy
 from gpu_worker.sampling.sampler import Sampler, new_sampler_state
 from gpu_worker.sampling.structured import StructuredOutputs
-from gpu_worker.sampling.upload import upload
 from shared.model_card import ModelCard
 from shared.model_source import ModelSource, resolve_model
 from shared.protocol import Generate, RequestDelta, WorkerStats
@@ -84,24 +83,6 @@ class _BuiltRank:
     @property
     def vocab_size(self) -> int:
         return self.rank.model_config.vocab_size
-
-
-@dataclass
-class _LaunchedStep:
-    """A step whose model work is launched and whose tokens are not applied yet."""
-
-    output: SchedulerOutput
-    started: float
-    """When the step began (`time.perf_counter`), for the draft-length controller."""
-    plain_items: list[ScheduledSequence]
-    """The items sampled with one row each, in the order of `tokens`' rows."""
-    tokens: SampledTokens | None
-    """Their sampled ids, on the device and on their way to the host; None without any."""
-    verified: dict[str, list[int]]
-    """The tokens each item with drafts keeps (verification's result, on the host)."""
-    needs_host_tokens: bool
-    """A sequence of it samples its next token from its tokens on the host (a grammar,
-    penalties, bad_words): the next step cannot be scheduled before this one's update."""
 
 
 class Engine:
@@ -179,7 +160,7 @@ class Engine:
         if config.async_scheduling and not self.async_scheduling:
             logger.info("--async-scheduling: a tensor-parallel group's steps run in order")
         self._token_copy = SampledTokenCopy(self.device)
-        self._launched: _LaunchedStep | None = None
+        self._launched: LaunchedStep | None = None
         """The step whose tokens are on their way (async scheduling only, between steps)."""
         self._num_steps = 0
         self.last_step_tokens = 0
@@ -287,7 +268,11 @@ class Engine:
         self.last_step_tokens = output.num_batched_tokens
         self.sampler.release(output.finished_request_ids)
         run = self.executor.execute(output, None if previous is None else previous.tokens)
-        launched = None if run is None else self._sample(output, run, started)
+        launched = None
+        if run is not None:
+            launched = launch_sampling(
+                output, run, started, self.sampler, self._token_copy, self.speculator
+            )
         if previous is not None:
             deltas = self._update(previous)
         if launched is not None:
@@ -298,47 +283,12 @@ class Engine:
                 deltas += self._update(launched)
         return deltas
 
-    def _overlaps(self, previous: _LaunchedStep) -> bool:
+    def _overlaps(self, previous: LaunchedStep) -> bool:
         """Whether the next step may be scheduled before `previous`'s update: only when
         no sequence of it needs its tokens on the host to sample or draft its next one."""
         return self.speculator is None and not previous.needs_host_tokens
 
-    def _sample(self, output: SchedulerOutput, run: RunnerOutput, started: float) -> _LaunchedStep:
-        """Launch the sampling of the items without drafts (one logits row each) and
-        verify the ones with (k + 1 rows each, in batch order)."""
-        logits = run.logits
-        plain_items: list[ScheduledSequence] = []
-        plain_rows: list[int] = []
-        drafted_items: list[ScheduledSequence] = []
-        drafted_rows: list[int] = []
-        row = 0
-        for item in output.scheduled:
-            if not item.will_sample:
-                continue
-            width = 1 + len(item.draft_token_ids)
-            if width > 1:
-                drafted_items.append(item)
-                drafted_rows.extend(range(row, row + width))
-            else:
-                plain_items.append(item)
-                plain_rows.append(row)
-            row += width
-        tokens = None
-        if plain_items:
-            plain_logits = logits
-            if drafted_items:
-                plain_logits = logits.index_select(0, upload(plain_rows, torch.long, logits.device))
-            result = self.sampler.sample(plain_logits, [item.seq for item in plain_items])
-            row_of = {item.seq.request_id: i for i, item in enumerate(plain_items)}
-            tokens = self._token_copy.start(result, row_of)
-        verified: dict[str, list[int]] = {}
-        if drafted_items:
-            assert self.speculator is not None, "only a speculator drafts"
-            verified = self.speculator.verify(logits, drafted_rows, drafted_items)
-        needs_host = any(_samples_from_host_tokens(item.seq) for item in plain_items)
-        return _LaunchedStep(output, started, plain_items, tokens, verified, needs_host)
-
-    def _update(self, step: _LaunchedStep) -> list[RequestDelta]:
+    def _update(self, step: LaunchedStep) -> list[RequestDelta]:
         """Apply a launched step's tokens (waiting for them to reach the host) and return
         the deltas of the sequences that got some."""
         result = ModelRunnerOutput()
@@ -459,10 +409,3 @@ class Engine:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _samples_from_host_tokens(seq: Sequence) -> bool:
-    """The sampler reads `seq`'s output tokens on the host for its next token: its grammar
-    matcher, its penalty rows and its bad_words advance with each one."""
-    state = seq.sampler_state
-    return state.matcher is not None or state.token_filter is not None or has_penalty(seq.sampling)

@@ -15,9 +15,9 @@
 #                  graphs = eager, Triton ~ torch, the profiled KV budget holds at 0.95
 #   kernel-bench   python -m bench.kernels: decode (batch 1/32/256 x context 1k/8k/32k) against copy
 #                  bandwidth and SDPA, prefill TFLOP/s against SDPA
-#   engine-bench   python -m bench.gpu_engine: the engine with and without decode graphs at 1, 32 and
-#                  256 concurrent, on the built-in model's stand-in and a random 1B Llama (bf16),
-#                  and its time outside the forward at batch 256
+#   engine-bench   python -m bench.gpu_engine: the engine with and without decode graphs, and with
+#                  graphs and async scheduling, at 1, 32 and 256 concurrent, on the built-in model's
+#                  stand-in and a random 1B Llama (bf16), and its time outside the forward at batch 256
 # Results, in $OUT (7 files; a device call returns at most 8): summary.json (each step's
 # status, seconds and pytest counts), setup.txt, tests.txt, bench.txt, kernels.json,
 # kernels-engine.json, and RESULTS.md (the sections to paste into bench/RESULTS.md).

@@ -3,8 +3,8 @@
     python -m bench.gpu_engine [--models smollm2 llama-1b] [--concurrency 1 32 256]
         [--max-output 128] [--repeats 2] [--kv-cache-gb 8] [--device cpu]
 
-For each model, two engines load once, one with decode CUDA graphs and one with
-`enforce_eager=True`, each with an explicit KV cache (sized from free memory, the first would
+For each model, three engines load once, one with decode CUDA graphs, one with
+`enforce_eager=True` and one with graphs and `async_scheduling=True`, each with an explicit KV cache (sized from free memory, the first would
 leave the second none). At each concurrency C a closed-loop client keeps C requests in flight,
 submitting the next prompt as one finishes, as C users of a server would: bench/engine.py's
 chat prompts (100-150 tokens), outputs uniform over 16..--max-output with ignore_eos, greedy;
@@ -20,6 +20,9 @@ on the graphs engine; in each pure decode step at batch C (every sequence alread
 first token), the forward and LM head (graph replay or eager call, the device synchronized at
 both ends) are timed against the whole `Engine.step` call. The remainder is the engine's own
 work: scheduling, the batch layout and its upload, sampling and the token's return to the host.
+The async engine's step is timed whole, against the graphs engine's forward (timing its own
+would synchronize the device and undo the overlap): what it leaves outside is host work the
+overlap did not hide.
 
 On CUDA writes the `kernels-engine` section of bench/RESULTS.md; always `$OUT/kernels-engine.json`
 when OUT is set (bench/gpu_check_report.py collects its `engine_section`).
@@ -62,12 +65,20 @@ class ConcurrencyResult:
     output_tokens: int
     eager_tok_s: list[float] = field(default_factory=list)
     graphs_tok_s: list[float] = field(default_factory=list)
+    async_tok_s: list[float] = field(default_factory=list)
+    """Graphs with async scheduling (`--async-scheduling`)."""
     outputs_equal: int = 0
     """Requests whose greedy tokens were identical in both modes (last pass)."""
+    async_equal: int = 0
+    """Requests whose greedy tokens with async scheduling were the graphs engine's."""
 
     @property
     def ratio(self) -> float:
         return statistics.median(self.graphs_tok_s) / statistics.median(self.eager_tok_s)
+
+    @property
+    def async_ratio(self) -> float:
+        return statistics.median(self.async_tok_s) / statistics.median(self.graphs_tok_s)
 
 
 @dataclass
@@ -93,6 +104,9 @@ class ModelResult:
     cases: list[ConcurrencyResult]
     profile: StepProfile | None
     eager_profile: StepProfile | None
+    async_profile: StepProfile | None = None
+    """Graphs with async scheduling: the whole step timed, the forward taken as the graphs
+    engine's (timing it would synchronize the device and undo the overlap)."""
 
 
 def model_path(name: str, device: str, scratch: Path) -> str | None:
@@ -103,9 +117,12 @@ def model_path(name: str, device: str, scratch: Path) -> str | None:
     return str(write_random_llama(scratch / name, shape, device=device))
 
 
-def profile_steps(engine: Engine, prompts: list[list[int]]) -> StepProfile:
-    """Start every prompt at once and time the pure decode steps at the full batch."""
-    timer = time_forward(engine)
+def profile_steps(
+    engine: Engine, prompts: list[list[int]], forward_ms: float | None = None
+) -> StepProfile:
+    """Start every prompt at once and time the pure decode steps at the full batch; the
+    forward is timed too unless `forward_ms` gives it (an async engine's)."""
+    timer = time_forward(engine) if forward_ms is None else None
     sampling = SamplingParams(temperature=0.0, max_tokens=PROFILE_TOKENS, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         key = f"profile-{i}"
@@ -116,14 +133,15 @@ def profile_steps(engine: Engine, prompts: list[list[int]]) -> StepProfile:
     step_s: list[float] = []
     forward_s: list[float] = []
     while engine.has_unfinished_requests():
-        timer.seconds = 0.0
+        if timer is not None:
+            timer.seconds = 0.0
         begin = time.perf_counter()
         deltas = engine.step()
         elapsed = time.perf_counter() - begin
         got = {d.request_id for d in deltas}
         if len(got) == len(prompts) and got <= started:
             step_s.append(elapsed)
-            forward_s.append(timer.seconds)
+            forward_s.append(timer.seconds if timer is not None else (forward_ms or 0) / 1e3)
         started |= got
     engine.reset_prefix_cache()
     assert step_s, "no pure decode step at the full batch"
@@ -152,6 +170,13 @@ def bench_model(args: argparse.Namespace, name: str, scratch: Path) -> ModelResu
         )
         for eager in (True, False)
     }
+    async_engine = Engine(
+        model=path,
+        device=args.device,
+        max_num_seqs=max_seqs,
+        kv_cache_memory_gb=args.kv_cache_gb,
+        async_scheduling=True,
+    )
     vocab = engines[True].vocab_size
     renderer = ChatRenderer(Tokenizer.from_source(resolve_model(DEFAULT_MODEL)))
 
@@ -161,7 +186,7 @@ def bench_model(args: argparse.Namespace, name: str, scratch: Path) -> ModelResu
         return [[t % vocab for t in p] for p in work.prompts], work.output_lens
 
     warm, warm_lens = workload(min(8, max_seqs), seed=99)
-    for engine in engines.values():  # compile, autotune, settle the allocator
+    for engine in [*engines.values(), async_engine]:  # compile, autotune, settle the allocator
         closed_loop(engine, warm, [min(n, 16) for n in warm_lens], max_seqs)
         engine.reset_prefix_cache()
     cases = []
@@ -176,12 +201,18 @@ def bench_model(args: argparse.Namespace, name: str, scratch: Path) -> ModelResu
                 engine.reset_prefix_cache()
                 rates = case.eager_tok_s if eager else case.graphs_tok_s
                 rates.append(case.output_tokens / seconds)
+            seconds, async_outputs = closed_loop(async_engine, prompts, lens, concurrency)
+            async_engine.reset_prefix_cache()
+            case.async_tok_s.append(case.output_tokens / seconds)
         case.outputs_equal = sum(a == b for a, b in zip(outputs[True], outputs[False], strict=True))
+        case.async_equal = sum(a == b for a, b in zip(async_outputs, outputs[False], strict=True))
         cases.append(case)
         print(
             f"{name} C={concurrency}: eager {statistics.median(case.eager_tok_s):,.0f} tok/s, "
             f"graphs {statistics.median(case.graphs_tok_s):,.0f} tok/s ({case.ratio:.2f}x), "
-            f"identical outputs {case.outputs_equal}/{num_prompts}",
+            f"identical outputs {case.outputs_equal}/{num_prompts}; async "
+            f"{statistics.median(case.async_tok_s):,.0f} tok/s ({case.async_ratio:.2f}x graphs), "
+            f"identical {case.async_equal}/{num_prompts}",
             flush=True,
         )
     profile_prompts, _ = workload(max_seqs, seed=7)
@@ -193,6 +224,12 @@ def bench_model(args: argparse.Namespace, name: str, scratch: Path) -> ModelResu
             f"outside {profile.outside_share:.1%}",
             flush=True,
         )
+    async_profile = profile_steps(async_engine, profile_prompts, profiles[False].forward_ms)
+    print(
+        f"{name} graphs + async decode step at batch {async_profile.batch}: "
+        f"{async_profile.step_ms:.2f} ms, outside {async_profile.outside_share:.1%}",
+        flush=True,
+    )
     graphs_engine = engines[False]
     result = ModelResult(
         model=name,
@@ -202,8 +239,9 @@ def bench_model(args: argparse.Namespace, name: str, scratch: Path) -> ModelResu
         cases=cases,
         profile=profiles[False] if graphs_engine.runner.decode_graphs is not None else None,
         eager_profile=profiles[True],
+        async_profile=async_profile if graphs_engine.runner.decode_graphs is not None else None,
     )
-    for engine in engines.values():
+    for engine in [*engines.values(), async_engine]:
         engine.close()
     del engines, graphs_engine
     gc.collect()
@@ -218,22 +256,29 @@ def render_model(result: ModelResult) -> list[str]:
         f"### {result.model} ({result.dtype}; `{result.model_file}`)",
         "",
         "| concurrency | prompts | output tokens | eager tok/s | graphs tok/s | graphs / eager "
-        "| identical greedy outputs |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| identical greedy outputs | graphs + async tok/s | async on / off | identical |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for case in result.cases:
         lines.append(
             f"| {case.concurrency} | {case.num_prompts} | {case.output_tokens:,} "
             f"| {statistics.median(case.eager_tok_s):,.0f} "
             f"| {statistics.median(case.graphs_tok_s):,.0f} | **{case.ratio:.2f}x** "
-            f"| {case.outputs_equal}/{case.num_prompts} |"
+            f"| {case.outputs_equal}/{case.num_prompts} "
+            f"| {statistics.median(case.async_tok_s):,.0f} | **{case.async_ratio:.2f}x** "
+            f"| {case.async_equal}/{case.num_prompts} |"
         )
     lines += ["", f"{result.graph_steps:,} decode steps replayed a graph."]
-    for label, profile in (("graphs", result.profile), ("eager", result.eager_profile)):
+    profiles = (
+        ("graphs", result.profile),
+        ("eager", result.eager_profile),
+        ("graphs + async scheduling", result.async_profile),
+    )
+    for label, profile in profiles:
         if profile is None:
             continue
         mark = ""
-        if label == "graphs":
+        if label != "eager":
             mark = " ✓" if profile.outside_share < OUTSIDE_TARGET else " ✗"
         lines.append(
             f"Decode step at batch {profile.batch}, {label} (median of {profile.steps} steps): "

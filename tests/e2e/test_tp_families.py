@@ -28,7 +28,7 @@ from tests.helpers.processes import (
     stop_worker,
     wait_worker_ready,
 )
-from tests.integration.test_tp_engine_features import save_byte_model
+from tests.helpers.tiny_models import save_tiny_model
 from tests.integration.test_tp_model import MODELS as FAMILIES
 
 SERVED = list(FAMILIES)
@@ -48,7 +48,10 @@ def _tp1_reference(model_dir: Path) -> list[list[int]]:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_tp2_workers_serve_tp1_greedy_completions_over_http(tmp_path: Path) -> None:
-    model_dirs = {name: save_byte_model(tmp_path / name, name) for name in SERVED}
+    model_dirs = {
+        name: save_tiny_model(tmp_path / name, tokenizer="bytes", **FAMILIES[name]).path
+        for name in SERVED
+    }
     with contextlib.ExitStack() as cleanup:
         logs = {name: tmp_path / f"{name}-worker.log" for name in SERVED}
         processes = {}

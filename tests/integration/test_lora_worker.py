@@ -27,7 +27,7 @@ from shared.protocol import (
 from shared.sampling import SamplingParams
 from tests.helpers.lora_adapters import AdapterSpec, add_peft_adapters
 from tests.helpers.processes import SMALL_WORKER, start_worker, stop_worker
-from tests.helpers.tiny_models import save_tiny_model, save_tiny_tokenizer
+from tests.helpers.tiny_models import save_tiny_model
 from tests.helpers.waiting import wait_until
 from tests.integration.test_worker_server import Client
 
@@ -47,8 +47,7 @@ class LoRAWorker:
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoRAWorker]:
     out = tmp_path_factory.mktemp("lora-worker")
-    model_dir, hf = save_tiny_model(out / "model", "llama", tie_word_embeddings=False)
-    save_tiny_tokenizer(model_dir, hf.config.vocab_size)
+    model_dir, hf = save_tiny_model(out / "model", "llama", tokenizer="words")
     root = out / "root"
     specs = {
         "alpha": AdapterSpec(8, 16, ("q_proj", "v_proj"), seed=1),

@@ -25,14 +25,7 @@ import pytest
 from gpu_worker.engine.engine import Engine
 from shared.protocol import Constraint, Generate, TokenLogprobs
 from shared.sampling import SamplingParams
-from tests.helpers.tiny_models import (
-    BOS,
-    BYTE_VOCAB_SIZE,
-    EOS,
-    PAD,
-    save_byte_tokenizer,
-    save_tiny_model,
-)
+from tests.helpers.tiny_models import save_tiny_model
 from tests.integration.test_tp_model import MODELS as FAMILIES
 from tests.unit.test_structured import CHOICES, PHONE, SHORT
 
@@ -50,16 +43,6 @@ CONSTRAINTS = [
     Constraint(kind="regex", spec=PHONE),
     Constraint(kind="choice", spec=json.dumps(CHOICES)),
 ]
-
-
-def save_byte_model(out_dir: Path, name: str) -> Path:
-    """The family model `name` of test_tp_model with a byte-level vocabulary."""
-    spec = dict(FAMILIES[name])
-    family = spec.pop("family")
-    spec.update(vocab_size=BYTE_VOCAB_SIZE, eos_token_id=EOS, bos_token_id=BOS, pad_token_id=PAD)
-    model_dir, _ = save_tiny_model(out_dir, family, **spec)
-    save_byte_tokenizer(model_dir)
-    return model_dir
 
 
 @dataclass
@@ -179,7 +162,7 @@ def features(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[
 
     def of(name: str) -> tuple[Features, ...]:
         if name not in cache:
-            model_dir = save_byte_model(root / name, name)
+            model_dir = save_tiny_model(root / name, tokenizer="bytes", **FAMILIES[name]).path
             cache[name] = tuple(_features(model_dir, size) for size in (1, 2))
         return cache[name]
 

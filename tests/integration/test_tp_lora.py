@@ -32,7 +32,7 @@ from gpu_worker.lora.layers import attach_lora, lora_targets
 from gpu_worker.lora.slots import LoRASlots
 from shared.model_source import resolve_model
 from shared.sampling import SamplingParams
-from tests.helpers.tiny_models import PagedRunner, save_tiny_model, save_tiny_tokenizer
+from tests.helpers.tiny_models import PagedRunner, save_tiny_model
 from tests.integration.test_tp_collectives import run_ranks
 from tests.unit.test_lora_adapter import AdapterSpec, add_peft_adapters
 
@@ -102,8 +102,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
         num_attention_heads=9,
         num_key_value_heads=3,
         vocab_size=255,
+        tokenizer="words",
     )
-    save_tiny_tokenizer(model_dir, hf.config.vocab_size)
     adapters_dir = root / "adapters"
     add_peft_adapters(hf, SPECS, adapters_dir)
     return model_dir, adapters_dir, root

@@ -15,20 +15,10 @@ import pytest
 
 from gpu_worker.engine.engine import Engine
 from shared.sampling import SamplingParams
-from tests.helpers.tiny_models import save_tiny_model, save_tiny_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 # Prompts that repeat themselves: the tiny model's greedy output falls into their loops.
 PROMPTS = [[1] + [10 + i % 7 for i in range(40)], [3, 4, 5, 6] * 8, [9, 8, 7] * 10 + [1, 2]]
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out, hf = save_tiny_model(
-        tmp_path_factory.mktemp("tp_spec") / "llama", "llama", tie_word_embeddings=False
-    )
-    save_tiny_tokenizer(out, hf.config.vocab_size)
-    return out
 
 
 def _greedy(model: Path, **engine_args: object) -> tuple[list[list[int]], int]:
@@ -40,20 +30,23 @@ def _greedy(model: Path, **engine_args: object) -> tuple[list[list[int]], int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_tp2_speculation_gives_tp1s_plain_greedy_tokens(tiny_llama: Path) -> None:
-    plain, _ = _greedy(tiny_llama)
+def test_tp2_speculation_gives_tp1s_plain_greedy_tokens(tiny_llama_dir: Path) -> None:
+    plain, _ = _greedy(tiny_llama_dir)
     methods = {
         "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2},
         "draft_model": {
             "method": "draft_model",
-            "model": str(tiny_llama),
+            "model": str(tiny_llama_dir),
             "num_speculative_tokens": 3,
         },
     }
     for name, config in methods.items():
         speculative = json.dumps({**config, "draft_length": "fixed"})
         tokens, accepted = _greedy(
-            tiny_llama, tensor_parallel_size=2, dist_timeout_s=20.0, speculative_config=speculative
+            tiny_llama_dir,
+            tensor_parallel_size=2,
+            dist_timeout_s=20.0,
+            speculative_config=speculative,
         )
         assert tokens == plain, name
         assert accepted > 0, name

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import zmq
@@ -207,18 +208,14 @@ def test_prompt_logprobs_arrive_on_the_first_delta(client: Client) -> None:
 
 
 @pytest.fixture(scope="module")
-def priority_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A tiny random model (fast steps) that runs one sequence at a time, by priority."""
-    from tests.helpers.tiny_models import save_tiny_model, save_tiny_tokenizer  # transformers
-
-    model_dir, hf = save_tiny_model(
-        tmp_path_factory.mktemp("tiny-llama"), "llama", tie_word_embeddings=False
-    )
-    save_tiny_tokenizer(model_dir, hf.config.vocab_size)
-    args = ["--model", str(model_dir), "--scheduling-policy", "priority"]
+def priority_worker(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """The tiny random Llama (fast steps), running one sequence at a time, by priority."""
+    args = ["--model", str(tiny_llama_dir), "--scheduling-policy", "priority"]
     # Its log goes to a file: its word-level vocabulary has no structured outputs, which
     # the worker reports at startup with a traceback.
-    log = model_dir / "gpu-worker.log"
+    log = tmp_path_factory.mktemp("priority-worker") / "gpu-worker.log"
     worker = start_worker(log, args, kv_cache_gb=0.01, max_num_seqs=1, heartbeat_interval_s=None)
     yield worker.address
     assert stop_worker(worker, timeout_s=30) == 0

@@ -13,7 +13,6 @@ dropped bias) changes them.
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ import transformers
 
 from gpu_worker.loader import load_model
 from shared.model_source import resolve_model
-from tests.helpers.tiny_models import Family, PagedRunner, tiny_hf_model
+from tests.helpers.tiny_models import Family, PagedRunner, save_tiny_model
 from tests.unit.test_gemma_model import CONFIGS as GEMMA
 from tests.unit.test_llama_model import LLAMA3_ROPE, _prompt
 from tests.unit.test_phi3_model import LONG, SHORT
@@ -96,11 +95,9 @@ def _margins(hf: transformers.PreTrainedModel, tokens: list[int]) -> list[float]
 def test_bf16_checkpoint_gives_transformers_bf16_tokens(
     tmp_path: Path, family: Family, tied: bool, extra: dict[str, Any], seed: int, length: int
 ) -> None:
-    # transformers writes into a rope dict it is given, so each model gets its own copy.
-    extra = copy.deepcopy(extra)
-    hf: Any = tiny_hf_model(family, tie_word_embeddings=tied, **extra)
-    hf = hf.to(torch.bfloat16)
-    hf.save_pretrained(tmp_path)
+    _, hf = save_tiny_model(
+        tmp_path, family, tie_word_embeddings=tied, dtype=torch.bfloat16, **extra
+    )
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
     model, config = load_model(resolve_model(str(tmp_path)), torch.device("cpu"), torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}

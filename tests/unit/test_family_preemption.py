@@ -5,7 +5,6 @@ prompts, soft-caps, LongRoPE, experts), with the configurations their parity tes
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from gpu_worker.runner.kv_caches import kv_cache_bytes_per_block
 from shared.model_source import resolve_model
 from shared.sampling import SamplingParams
 from tests.helpers.preemption import count_preemptions
-from tests.helpers.tiny_models import Family, save_tiny_model, save_tiny_tokenizer
+from tests.helpers.tiny_models import Family, save_tiny_model
 from tests.unit.test_gemma_model import CONFIGS as GEMMA
 from tests.unit.test_llama_model import _prompt
 from tests.unit.test_moe_model import QWEN3_MOE
@@ -59,9 +58,7 @@ def test_preempted_sequences_keep_transformers_tokens(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     family, extra = FAMILIES[name]
-    # transformers writes into a rope dict it is given, so each model gets its own copy.
-    _, hf = save_tiny_model(tmp_path, family, tie_word_embeddings=False, **copy.deepcopy(extra))
-    save_tiny_tokenizer(tmp_path, hf.config.vocab_size)
+    _, hf = save_tiny_model(tmp_path, family, tokenizer="words", **extra)
     config = load_config(resolve_model(str(tmp_path)))
     per_block = kv_cache_bytes_per_block(
         config.num_layers, BLOCK_SIZE, config.num_kv_heads, config.head_dim, torch.float32

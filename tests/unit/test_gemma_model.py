@@ -65,18 +65,18 @@ CONFIGS: dict[str, dict[str, Any]] = {
 LAYER_WINDOWS = {"gemma2": (WINDOW, None, WINDOW, None), "gemma3": (WINDOW, WINDOW, None, WINDOW)}
 
 
-def _save(out_dir: Path, family: Family, seed: int = 0) -> transformers.PreTrainedModel:
-    # transformers writes into a rope dict it is given, so each model gets its own copy.
-    extra = copy.deepcopy(CONFIGS[family])
-    return save_tiny_model(out_dir, family, tie_word_embeddings=True, seed=seed, **extra)[1]
+def _save(out_dir: Path, family: Family, **options: Any) -> transformers.PreTrainedModel:
+    """A tiny `family` model of CONFIGS, embeddings tied; `options` go to `save_tiny_model`."""
+    return save_tiny_model(
+        out_dir, family, tie_word_embeddings=True, **CONFIGS[family], **options
+    ).hf
 
 
 @pytest.fixture(scope="module", params=["gemma2", "gemma3"])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Pair:
     family: Family = request.param
     out_dir = tmp_path_factory.mktemp(family)
-    hf = _save(out_dir, family)
-    save_tiny_tokenizer(out_dir, hf.config.vocab_size)
+    hf = _save(out_dir, family, tokenizer="words")
     ours, config = load_model(resolve_model(str(out_dir)), torch.device("cpu"))
     expected_cls = Gemma2ForCausalLM if family == "gemma2" else Gemma3ForCausalLM
     assert type(ours) is expected_cls

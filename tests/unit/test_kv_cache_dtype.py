@@ -26,7 +26,7 @@ from gpu_worker.runner.kv_budget import plan_kv_cache
 from gpu_worker.runner.kv_caches import kv_cache_bytes_per_block, resolve_kv_cache_dtype
 from shared.sampling import SamplingParams
 from tests.helpers.preemption import count_preemptions
-from tests.helpers.tiny_models import save_tiny_model, save_tiny_tokenizer
+from tests.helpers.tiny_models import save_tiny_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SIXTEEN_BIT = ["bfloat16", "float16"]
@@ -92,18 +92,16 @@ def test_sixteen_bits_hold_twice_the_blocks() -> None:
 def llama64_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama with head_dim 64 (the CPU kernel's vector path) and room for a
     600-token context."""
-    out_dir, hf = save_tiny_model(
+    return save_tiny_model(
         tmp_path_factory.mktemp("tiny-llama-64"),
         "llama",
-        tie_word_embeddings=False,
+        tokenizer="words",
         seed=3,
         hidden_size=256,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=1024,
-    )
-    save_tiny_tokenizer(out_dir, hf.config.vocab_size)
-    return out_dir
+    ).path
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from gpu_worker.runner.profiling import (
     prefill_steps,
     profile_memory,
 )
-from tests.helpers.tiny_models import save_tiny_model, save_tiny_tokenizer
+from tests.helpers.tiny_models import save_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -233,19 +233,10 @@ class FakeProbe:
         return self.current_peak
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out_dir, hf = save_tiny_model(
-        tmp_path_factory.mktemp("kv-sizing"), "llama", tie_word_embeddings=False
-    )
-    save_tiny_tokenizer(out_dir, hf.config.vocab_size)
-    return out_dir
-
-
 def test_profile_runs_the_largest_steps_on_cpu(
-    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = Engine(model=str(tiny_dir), device="cpu", kv_cache_memory_gb=0.01)
+    engine = Engine(model=str(tiny_llama_dir), device="cpu", kv_cache_memory_gb=0.01)
     mc = engine.model_config
     forwards: list[tuple[int, int, int]] = []
 
@@ -308,14 +299,14 @@ def test_profile_runs_the_largest_steps_on_cpu(
 
 
 def test_cpu_engine_keeps_its_default_and_does_not_profile(
-    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("the CPU engine must not run a profiling forward")
 
     monkeypatch.setattr(rank_module, "profile_memory", refuse)
     caplog.set_level(logging.INFO, logger="gpu_worker.runner.kv_caches")
-    engine = Engine(model=str(tiny_dir), device="cpu")
+    engine = Engine(model=str(tiny_llama_dir), device="cpu")
     per_block = model_kv_bytes_per_block(engine.model_config, 16, torch.float32)
     assert engine.kv.num_blocks == int(CPU_DEFAULT_KV_CACHE_GB * GIB) // per_block
     assert f"-> {engine.kv.num_blocks} blocks" in caplog.text
@@ -355,10 +346,11 @@ def test_cuda_engine_at_095_runs_its_largest_steps_under_the_cap(
     cuda: torch.device, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # SmolLM2-135M's shapes on 4 layers: a 49k vocabulary makes the sampler's buffers real.
-    out_dir, hf = save_tiny_model(
+    out_dir, _ = save_tiny_model(
         tmp_path,
         "llama",
         tie_word_embeddings=True,
+        tokenizer="words",
         vocab_size=49152,
         hidden_size=576,
         intermediate_size=1536,
@@ -367,7 +359,6 @@ def test_cuda_engine_at_095_runs_its_largest_steps_under_the_cap(
         num_key_value_heads=3,
         max_position_embeddings=4096,
     )
-    save_tiny_tokenizer(out_dir, 49152)
     caplog.set_level(logging.INFO, logger="gpu_worker.runner.kv_caches")
     engine = Engine(model=str(out_dir), device="cuda", gpu_memory_utilization=0.95)
     lines = [r.getMessage() for r in caplog.records if r.name == "gpu_worker.runner.kv_caches"]

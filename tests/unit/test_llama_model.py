@@ -60,8 +60,6 @@ class Pair:
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Pair:
     case_id, family, tied, extra, shard = request.param
     out_dir: Path = tmp_path_factory.mktemp(case_id)
-    # transformers writes into a rope dict it is given, so each model gets its own copy.
-    extra = {k: dict(v) if isinstance(v, dict) else v for k, v in extra.items()}
     _, hf = save_tiny_model(
         out_dir, family, tie_word_embeddings=tied, max_shard_size=shard, **extra
     )

@@ -18,7 +18,7 @@ from gpu_worker.lora.adapter import LORA_TARGETS
 from shared.protocol import Generate
 from shared.sampling import SamplingParams
 from tests.helpers.lora_adapters import AdapterSpec, add_peft_adapters, write_random_adapter
-from tests.helpers.tiny_models import save_tiny_model, save_tiny_tokenizer
+from tests.helpers.tiny_models import save_tiny_model
 
 if TYPE_CHECKING:  # imported by the helpers where used: the GPU check runs without peft
     from peft import PeftModel
@@ -51,8 +51,7 @@ def _modules(root: Path, names: list[str]) -> list[str]:
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Served:
     """One slot for three adapters: every switch between them is a load, most an eviction."""
     out = tmp_path_factory.mktemp("lora-engine")
-    model_dir, hf = save_tiny_model(out / "model", "llama", tie_word_embeddings=False)
-    save_tiny_tokenizer(model_dir, hf.config.vocab_size)
+    model_dir, hf = save_tiny_model(out / "model", "llama", tokenizer="words")
     root = out / "loras"
     peft = add_peft_adapters(hf, SPECS, root)
     engine = Engine(

@@ -24,7 +24,7 @@ from gpu_worker.models.moe import SparseMoeBlock, stack_expert_weights
 from gpu_worker.ops.layer_ops import TritonLayerOps
 from shared.model_source import resolve_model
 from tests.helpers.gguf_files import gguf_file
-from tests.helpers.tiny_models import Family, PagedRunner, save_tiny_model, save_tiny_tokenizer
+from tests.helpers.tiny_models import Family, PagedRunner, save_tiny_model
 from tests.unit.test_llama_model import (
     Pair,
     _hf_logits,
@@ -125,8 +125,7 @@ def test_engine_gives_transformers_tokens(tmp_path: Path) -> None:
     from shared.sampling import SamplingParams
 
     extra = {**QWEN3_MOE, "mlp_only_layers": [0]}
-    _, hf = save_tiny_model(tmp_path, "qwen3_moe", tie_word_embeddings=False, seed=3, **extra)
-    save_tiny_tokenizer(tmp_path, hf.config.vocab_size)
+    _, hf = save_tiny_model(tmp_path, "qwen3_moe", tokenizer="words", seed=3, **extra)
     engine = Engine(model=str(tmp_path), device="cpu", max_model_len=64, kv_cache_memory_gb=0.01)
     prompts = [_prompt(70, 11, hf.config.vocab_size), _prompt(71, 4, hf.config.vocab_size)]
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)

@@ -18,7 +18,7 @@ from gpu_worker.models.config import ModelConfig
 from gpu_worker.models.llama import LlamaForCausalLM
 from gpu_worker.ops.layer_ops import TritonLayerOps
 from shared.model_source import resolve_model
-from tests.helpers.tiny_models import PagedRunner, _SeqState, save_tiny_model, save_tiny_tokenizer
+from tests.helpers.tiny_models import PagedRunner, _SeqState, save_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -36,8 +36,7 @@ class Pair:
 @pytest.fixture(scope="module")
 def mistral(tmp_path_factory: pytest.TempPathFactory) -> Pair:
     out_dir = tmp_path_factory.mktemp("mistral-window")
-    _, hf = save_tiny_model(out_dir, "mistral", tie_word_embeddings=False, sliding_window=WINDOW)
-    save_tiny_tokenizer(out_dir, hf.config.vocab_size)
+    _, hf = save_tiny_model(out_dir, "mistral", sliding_window=WINDOW, tokenizer="words")
     ours, config = load_model(resolve_model(str(out_dir)), torch.device("cpu"))
     assert [config.window_of(i) for i in range(config.num_layers)] == [WINDOW, WINDOW]
     return Pair(out_dir, ours, config, hf)  # type: ignore[arg-type]

@@ -19,14 +19,14 @@ from gpu_worker.spec_decode.suffix import SuffixProposer
 class Drafter(Protocol):
     """Per-request drafting state, fed the tokens each request accepts.
 
-        The engine calls `start_request` when a request is admitted, `add_tokens` with the
-        tokens it accepts each step (in order, output only), `propose` for each decoding
-        request the scheduler drafts for (while it schedules the step), and `finish_request`
-        when it finishes or is aborted. Before the step is scheduled, `expect` tells it how
-        many drafts each request may be asked for (0 or absent: none), so a drafter that
-        batches its work across requests (the draft model, at the step's first `propose`)
-        drafts those and no more. A drafter that runs a model says what a round will compute
-    (`catch_up_tokens`) and what its steps took (`take_steps`)."""
+    The engine's speculator calls `start_request` when a request is admitted, `add_tokens`
+    with the tokens it accepts each step (in order, output only), `propose` for each
+    decoding request before the step is scheduled, and `finish_request` when it finishes
+    or is aborted. Before proposing, `expect` tells it how many drafts each request may be
+    asked for (0 or absent: none), so a drafter that batches its work across requests (the
+    draft model, at the step's first `propose`) drafts those and no more. A drafter that
+    runs a model says what a round will compute (`catch_up_tokens`) and what its steps
+    took (`take_steps`)."""
 
     def start_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None: ...
 

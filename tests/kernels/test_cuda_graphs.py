@@ -25,7 +25,7 @@ from gpu_worker.runner.kv_caches import allocate_kv_caches
 from shared.model_source import resolve_model
 from shared.protocol import TokenLogprobs
 from shared.sampling import SamplingParams
-from tests.kernels.conftest import interpreter_only
+from tests.helpers.kernel_checks import interpreter_only
 
 BLOCK_SIZE = 16
 
@@ -98,8 +98,8 @@ def _decode_step(
 
 
 @interpreter_only
-def test_padding_rows_leave_the_cache_alone_and_match_eager(tiny_model_dir: Path) -> None:
-    model, caches = _model_and_caches(tiny_model_dir, num_blocks=12)
+def test_padding_rows_leave_the_cache_alone_and_match_eager(tiny_llama_dir: Path) -> None:
+    model, caches = _model_and_caches(tiny_llama_dir, num_blocks=12)
     for cache in caches:
         cache.normal_()
     eager_caches = [c.clone() for c in caches]
@@ -147,8 +147,8 @@ def test_padding_rows_leave_the_cache_alone_and_match_eager(tiny_model_dir: Path
 
 
 @interpreter_only
-def test_steps_too_big_or_not_pure_decode_run_eagerly(tiny_model_dir: Path) -> None:
-    model, caches = _model_and_caches(tiny_model_dir, num_blocks=64)
+def test_steps_too_big_or_not_pure_decode_run_eagerly(tiny_llama_dir: Path) -> None:
+    model, caches = _model_and_caches(tiny_llama_dir, num_blocks=64)
     table = BlockTable(torch.device("cpu"))
     runner = _runner(model, caches, table, 2, 2)
     assert runner.can_run(*_decode_step(table, [[0]] * 2, [1, 1], "a"))
@@ -173,11 +173,11 @@ def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 @interpreter_only
-def test_engine_outputs_equal_with_the_graph_path(tiny_model_dir: Path) -> None:
+def test_engine_outputs_equal_with_the_graph_path(tiny_llama_dir: Path) -> None:
     """Six requests of different lengths: the batch shrinks through buckets 8, 4, 2 and 1 as
     they finish, every step of it through the static buffers; tokens equal the eager run."""
     engine = Engine(
-        model=str(tiny_model_dir),
+        model=str(tiny_llama_dir),
         device="cpu",
         attention_backend="triton",
         max_model_len=96,
@@ -333,3 +333,32 @@ def test_triton_backend_greedy_parity_with_torch_backend(cuda_device: torch.devi
         torch.cuda.empty_cache()
     for ours, reference in zip(outputs["triton"], outputs["torch"], strict=True):
         check_greedy_parity(ours, reference, BF16_LOGPROB_TOL)
+
+
+@pytest.mark.cuda
+def test_async_scheduling_equals_in_order_steps_with_graphs(cuda_device: torch.device) -> None:
+    # The unresolved decode inputs are written into the graphs' static input ids on the
+    # device; greedy, seeded and logprob outputs must not change.
+    prompts = _chat_prompts()
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=40, ignore_eos=True, logprobs=2),
+    ] * (len(prompts) // 2) + [SamplingParams(temperature=0.0, max_tokens=8)] * (len(prompts) % 2)
+    outputs = {}
+    for async_on in (False, True):
+        engine = Engine(device="cuda", max_num_seqs=16, async_scheduling=async_on)
+        assert engine.async_scheduling is async_on
+        done = engine.generate(prompts, params)
+        outputs[async_on] = [(c.token_ids, c.logprobs) for c in done]
+        assert engine.runner.num_graph_steps > 0
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+        del engine
+        torch.cuda.empty_cache()
+    assert [t for t, _ in outputs[True]] == [t for t, _ in outputs[False]]
+    for (_, lp_on), (_, lp_off) in zip(outputs[True], outputs[False], strict=True):
+        if lp_off is None:
+            assert lp_on is None
+            continue
+        assert lp_on is not None
+        assert [e.top_token_ids for e in lp_on] == [e.top_token_ids for e in lp_off]
+        assert [e.logprob for e in lp_on] == pytest.approx([e.logprob for e in lp_off], abs=1e-4)

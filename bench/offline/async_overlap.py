@@ -6,8 +6,8 @@ stand-in makes the device a timer, as a GPU is to the host: each step's model wo
 token (the sampler's decisions and its Python run as usual, its arithmetic on 64
 columns), and the step's sampled ids are readable only once the "device" has run the step
 for `device_ms`, counted from when it was launched or from when the step before it ended,
-whichever is later. Reading them is the host's only wait (`SampledTokens.host_ids`), as
-on CUDA. Everything else is the engine's real host work: scheduling, the batch layout and
+whichever is later. Reading them is the host's only wait (`SampledTokens.host_ids`, a
+spin, as CUDA's), as on CUDA. Everything else is the engine's real host work: scheduling, the batch layout and
 its upload, the sampler, the update and the deltas.
 
 A run puts `batch` requests through their prefill, then times `steps` decode steps of all
@@ -75,9 +75,10 @@ class _TimedTokens(SampledTokens):
     ready_at: float = 0.0
 
     def host_ids(self) -> list[int]:
-        wait = self.ready_at - time.perf_counter()
-        if wait > 0:
-            time.sleep(wait)
+        # A spin, as CUDA's event synchronize spins by default: a sleeping host would give
+        # its core away and come back late on a busy machine, billed as host work.
+        while time.perf_counter() < self.ready_at:
+            pass
         return super().host_ids()
 
 

@@ -4,15 +4,14 @@ Without CUDA, TRITON_INTERPRET=1 must be set before any `kernels` module is impo
 `@triton.jit` chooses the interpreter when it decorates. pytest imports this conftest before the
 test modules of this directory, so setting it here is early enough (as long as nothing imported
 `kernels` earlier in the session). The interpreter computes bf16 wrongly, so bf16 runs on CUDA
-only; on CPU the suite covers fp32 and fp16.
+only; on CPU the suite covers fp32 and fp16. The tests' other shared pieces (tolerances,
+seeded tensors, `interpreter_only`) are in tests/helpers/kernel_checks.py.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -24,30 +23,7 @@ from gpu_worker.attention.metadata import (  # noqa: E402
     AttentionMetadata,
     build_attention_metadata,
 )
-
-ON_CUDA = torch.cuda.is_available()
-
-interpreter_only = pytest.mark.skipif(
-    ON_CUDA,
-    reason="runs CPU tensors through Triton's interpreter; on a GPU the CUDA-tensor tests "
-    "of the same kernels (and the engine on CUDA) cover it",
-)
-"""For a test whose subject is the CPU path itself (an engine on device="cpu" with the
-Triton backend): on a CUDA host Triton compiles for the GPU and refuses CPU tensors."""
-
-# (atol, rtol) per dtype. Attention is against an fp32 reference; fp16/bf16 lose precision
-# where p is rounded for the second product and where the output is rounded.
-ATTENTION_TOL = {
-    torch.float32: (2e-5, 2e-5),
-    torch.float16: (5e-3, 5e-3),
-    torch.bfloat16: (3e-2, 3e-2),
-}
-# Elementwise kernels round once more or less than torch at most: one or two ulps.
-ELEMENTWISE_TOL = {
-    torch.float32: (1e-5, 1e-5),
-    torch.float16: (2e-3, 2e-3),
-    torch.bfloat16: (1.6e-2, 1.6e-2),
-}
+from tests.helpers.kernel_checks import ON_CUDA  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -108,36 +84,3 @@ def make_paged_batch(device: torch.device) -> Callable[..., PagedBatch]:
         return kv_cache, meta
 
     return build
-
-
-def random_tensor(*shape: int, dtype: torch.dtype, device: torch.device, seed: int = 1):
-    """Seeded normal values, drawn in fp32 on the CPU so every device sees the same numbers."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Llama (head_dim 16, GQA 2) with a word-level tokenizer: enough for an
-    `Engine` on either backend, small enough for the interpreter."""
-    from tests.helpers.tiny_models import save_tiny_model, save_tiny_tokenizer
-
-    out_dir, hf = save_tiny_model(
-        tmp_path_factory.mktemp("tiny-llama"), "llama", tie_word_embeddings=False
-    )
-    save_tiny_tokenizer(out_dir, hf.config.vocab_size)
-    return out_dir
-
-
-class KernelRecorder:
-    """Stands in for a `@triton.jit` kernel (monkeypatched over it): records the grid and the
-    positional arguments of each launch, runs nothing."""
-
-    def __init__(self) -> None:
-        self.launches: list[tuple[tuple[int, ...], tuple[Any, ...]]] = []
-
-    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
-        def launch(*args: Any, **kwargs: Any) -> None:
-            self.launches.append((grid, args))
-
-        return launch

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.activation import silu_and_mul, silu_and_mul_ref
-from tests.kernels.conftest import ELEMENTWISE_TOL, random_tensor
+from tests.helpers.kernel_checks import ELEMENTWISE_TOL, random_tensor
 
 
 @pytest.mark.parametrize(("num_tokens", "inner"), [(1, 64), (3, 100), (2, 1536)])

@@ -7,7 +7,7 @@ import torch
 
 from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from kernels.cache_ops import write_kv_cache, write_kv_cache_ref
-from tests.kernels.conftest import random_tensor
+from tests.helpers.kernel_checks import random_tensor
 
 
 @pytest.mark.parametrize(("num_kv_heads", "head_dim"), [(3, 64), (2, 80), (8, 128)])

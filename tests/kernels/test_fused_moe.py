@@ -8,7 +8,7 @@ import torch
 
 from gpu_worker.ops.layer_ops import moe_experts
 from kernels.fused_moe import fused_moe, fused_moe_ref, moe_align_block_size
-from tests.kernels.conftest import random_tensor
+from tests.helpers.kernel_checks import random_tensor
 
 # The reference rounds at other places than the kernel (fp16/bf16 matmul outputs).
 MOE_TOL = {

@@ -19,7 +19,7 @@ from gpu_worker.attention.triton_backend import TritonAttentionBackend
 from kernels.cache_ops import write_kv_cache, write_kv_cache_ref
 from kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
 from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
-from tests.kernels.conftest import ATTENTION_TOL, ON_CUDA, random_tensor
+from tests.helpers.kernel_checks import ATTENTION_TOL, ON_CUDA, random_tensor
 
 NUM_KV_HEADS = 2
 

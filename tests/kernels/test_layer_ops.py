@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gpu_worker.ops.layer_ops import TorchLayerOps, TritonLayerOps, get_layer_ops
-from tests.kernels.conftest import ELEMENTWISE_TOL, interpreter_only, random_tensor
+from tests.helpers.kernel_checks import ELEMENTWISE_TOL, interpreter_only, random_tensor
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 96, 6, 2, 16
 
@@ -63,7 +63,7 @@ def test_ops_follow_the_attention_backend() -> None:
 
 
 @interpreter_only
-def test_engine_on_triton_backend_and_ops_equals_torch(tiny_model_dir) -> None:
+def test_engine_on_triton_backend_and_ops_equals_torch(tiny_llama_dir) -> None:
     """The whole model, prefill and decode steps, on Triton attention + Triton layer ops
     gives the torch path's greedy tokens and first-step logits."""
     import random
@@ -77,7 +77,7 @@ def test_engine_on_triton_backend_and_ops_equals_torch(tiny_model_dir) -> None:
     results = {}
     for backend in ("torch", "triton"):
         engine = Engine(
-            model=str(tiny_model_dir),
+            model=str(tiny_llama_dir),
             device="cpu",
             attention_backend=backend,
             max_model_len=96,

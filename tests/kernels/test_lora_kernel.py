@@ -13,7 +13,7 @@ from gpu_worker.lora.slots import LoRASlots
 from gpu_worker.runner.block_table import BlockTable
 from gpu_worker.runner.cuda_graphs import DecodeGraphRunner
 from kernels.lora import BGMV_MAX_ROWS, SGMV_BLOCK_M, lora_add, lora_add_ref, slot_blocks
-from tests.kernels.conftest import interpreter_only, random_tensor
+from tests.helpers.kernel_checks import interpreter_only, random_tensor
 from tests.kernels.test_cuda_graphs import BLOCK_SIZE, _decode_step, _model_and_caches
 
 # The kernel keeps `scale * t @ B.T + y` in fp32 and rounds once; the reference rounds
@@ -123,11 +123,11 @@ def _random_adapter(name: str, shapes: dict[tuple[int, str], tuple[int, int]], s
 
 
 @interpreter_only
-def test_decode_graph_path_reads_the_adapters_from_its_static_buffer(tiny_model_dir) -> None:
+def test_decode_graph_path_reads_the_adapters_from_its_static_buffer(tiny_llama_dir) -> None:
     """The graph runner's static-buffer path with LoRA on, its kernels (BGMV) under the
     interpreter: 3 rows (slots 1, base, 0) in bucket 4, whose padding row is -1, equal an
     eager forward through the torch path; the plan reads the runner's static slots."""
-    model, caches = _model_and_caches(tiny_model_dir, num_blocks=12)
+    model, caches = _model_and_caches(tiny_llama_dir, num_blocks=12)
     for cache in caches:
         cache.normal_()
     eager_caches = [c.clone() for c in caches]

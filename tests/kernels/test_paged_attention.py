@@ -13,7 +13,7 @@ from kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_ref,
 )
-from tests.kernels.conftest import ATTENTION_TOL, random_tensor
+from tests.helpers.kernel_checks import ATTENTION_TOL, random_tensor
 
 NUM_KV_HEADS = 2
 

@@ -14,7 +14,7 @@ from kernels.prefill_attention import (
     paged_prefill_attention,
     paged_prefill_attention_ref,
 )
-from tests.kernels.conftest import ATTENTION_TOL, random_tensor
+from tests.helpers.kernel_checks import ATTENTION_TOL, random_tensor
 
 NUM_KV_HEADS = 2
 

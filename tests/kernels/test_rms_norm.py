@@ -7,7 +7,7 @@ import torch
 
 from gpu_worker.models.llama import RMSNorm
 from kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
-from tests.kernels.conftest import ELEMENTWISE_TOL, random_tensor
+from tests.helpers.kernel_checks import ELEMENTWISE_TOL, random_tensor
 
 EPS = 1e-5
 

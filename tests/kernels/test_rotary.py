@@ -9,7 +9,7 @@ from gpu_worker.models.config import ModelConfig, RopeScaling
 from gpu_worker.models.llama import RotaryEmbedding
 from gpu_worker.ops.layer_ops import TorchLayerOps, apply_rotary
 from kernels.rotary import rotary_embedding, rotary_embedding_ref
-from tests.kernels.conftest import ELEMENTWISE_TOL, random_tensor
+from tests.helpers.kernel_checks import ELEMENTWISE_TOL, random_tensor
 
 MAX_POSITIONS = 64
 # llama3 scaling with a short original context, so the blend covers several frequencies.

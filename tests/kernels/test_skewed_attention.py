@@ -10,7 +10,7 @@ import torch
 from kernels import paged_attention
 from kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
 from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
-from tests.kernels.conftest import ATTENTION_TOL, KernelRecorder, random_tensor
+from tests.helpers.kernel_checks import ATTENTION_TOL, KernelRecorder, random_tensor
 
 # group (= num_heads // num_kv_heads), num_kv_heads, head_dim: GQA 1/4/8, head dims 64/128,
 # few heads so the interpreter runs a 3k-token sequence in seconds.

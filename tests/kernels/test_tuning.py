@@ -29,7 +29,7 @@ from kernels.prefill_attention import (
     tokens_bucket,
 )
 from kernels.tuning import decode_tune_shapes, powers_of_two, prefill_tune_shapes
-from tests.kernels.conftest import KernelRecorder
+from tests.helpers.kernel_checks import KernelRecorder
 
 
 @dataclass(frozen=True)

@@ -274,7 +274,7 @@ class Engine:
                 output, run, started, self.sampler, self._token_copy, self.speculator
             )
         if previous is not None:
-            deltas = self._update(previous)
+            deltas += self._update(previous)
         if launched is not None:
             self._num_steps += 1
             if self.async_scheduling:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,11 +18,10 @@ from tests import running
 from tests.helpers.redis import redis_server
 
 if TYPE_CHECKING:
+    from tests.helpers.processes import ServerProcess
     from tests.helpers.tiny_models import TinyModel
 
 __all__ = ["redis_server"]  # a fixture: a real redis-server for the whole session
-
-DATA_DIR = Path(__file__).parent / "data"
 
 # Every Hypothesis example has a deadline, and each test's examples times it stay well inside
 # pytest-timeout's 300 s: a slow or looping input fails by name. Counts are set per test.
@@ -74,6 +74,17 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
 def tiny_llama_dir(tiny_llama: TinyModel) -> Path:
     """`tiny_llama`'s directory, for an `Engine` or a gpu-worker to serve."""
     return tiny_llama.path
+
+
+@pytest.fixture(scope="session")
+def secure_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """render-serve (render only) with two API keys, CORS for one origin and a root_path
+    (tests.helpers.processes.SECURE_ARGS), for the integration and e2e security tests."""
+    from tests.helpers.processes import SECURE_ARGS, start_server, stop_server
+
+    server = start_server(SECURE_ARGS, tmp_path_factory.mktemp("secure") / "render-serve.log")
+    yield server
+    stop_server(server)
 
 
 # Fixtures too slow to build in the inner loop (`make test-fast`): a test that uses one is

@@ -16,22 +16,10 @@ from openai import OpenAI
 from tests.helpers.processes import (
     ServerProcess,
     WorkerProcess,
-    start_server,
+    running_render,
     start_worker,
-    stop_server,
     stop_worker,
 )
-
-# Re-exported: e2e and unit test modules import the worker helpers from here.
-__all__ = ["WorkerProcess", "running_render", "start_render", "start_worker"]
-
-
-def start_render(
-    workers: list[str], log_path: Path, extra_args: list[str] | None = None
-) -> ServerProcess:
-    """render-serve over `workers`, waited for until /ready (a worker connected) says 200."""
-    args = [*(extra_args or []), *(arg for address in workers for arg in ("--worker", address))]
-    return start_server(args, log_path, ready_path="/ready")
 
 
 def _running_worker(directory: Path) -> Iterator[WorkerProcess]:
@@ -39,16 +27,6 @@ def _running_worker(directory: Path) -> Iterator[WorkerProcess]:
     worker = start_worker(directory / "worker.log")
     yield worker
     stop_worker(worker)
-
-
-def running_render(
-    workers: list[WorkerProcess], directory: Path, extra_args: list[str] | None = None
-) -> Iterator[ServerProcess]:
-    """A fixture body: render-serve over `workers`, logging under `directory`."""
-    addresses = [worker.address for worker in workers]
-    server = start_render(addresses, directory / "render.log", extra_args)
-    yield server
-    stop_server(server)
 
 
 @pytest.fixture(scope="session")

@@ -9,8 +9,7 @@ import threading
 
 import httpx
 
-from tests.e2e.conftest import start_render
-from tests.helpers.processes import ServerProcess, WorkerProcess, stop_server
+from tests.helpers.processes import ServerProcess, WorkerProcess, start_render, stop_server
 from tests.helpers.waiting import wait_until
 
 MODEL = "SmolLM2-135M-Instruct"

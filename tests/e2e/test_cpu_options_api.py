@@ -21,11 +21,11 @@ import pytest
 from gpu_worker import Engine
 from gpu_worker.ops.cpu_precision import bf16_instructions
 from shared.sampling import SamplingParams
-from tests.e2e.conftest import start_render
 from tests.helpers.processes import (
     ServerProcess,
     WorkerProcess,
     spawn_worker,
+    start_render,
     stop_server,
     stop_worker,
     wait_worker_ready,

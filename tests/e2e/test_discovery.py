@@ -11,10 +11,9 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import WorkerProcess, start_render
 from tests.e2e.test_admission import MODEL
+from tests.helpers.processes import ServerProcess, WorkerProcess, start_render, stop_server
 from tests.helpers.waiting import wait_until
-from tests.integration.conftest import ServerProcess, stop_server
 
 
 def _samples(render: ServerProcess, family_name: str) -> dict[str, float]:

@@ -16,12 +16,12 @@ from typing import Unpack
 import httpx
 import pytest
 
-from tests.e2e.conftest import start_render
 from tests.helpers.processes import (
     ServerProcess,
     WorkerOptions,
     WorkerProcess,
     kill_worker,
+    start_render,
     start_worker,
     stop_server,
 )

@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
-from tests.integration.conftest import ServerProcess, start_server, stop_server
+from tests.helpers.processes import ServerProcess, start_server, stop_server
 
 MODEL = "SmolLM2-135M-Instruct"
 REQUEST_TIMEOUT_S = 30.0

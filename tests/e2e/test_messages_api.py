@@ -15,8 +15,7 @@ import jsonschema
 import pytest
 from anthropic import Anthropic
 
-from tests.e2e.conftest import WorkerProcess, running_render
-from tests.helpers.processes import ServerProcess
+from tests.helpers.processes import ServerProcess, WorkerProcess, running_render
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "sk-messages-test"

@@ -40,7 +40,6 @@ from shared.protocol import (
     WorkerStats,
 )
 from shared.sampling import SamplingParams
-from tests.e2e.conftest import start_render
 from tests.e2e.test_faults import MODEL, chat_body, stream_chat, two_workers_one_render
 from tests.e2e.test_openai_api import _Heartbeats
 from tests.helpers.processes import (
@@ -48,6 +47,7 @@ from tests.helpers.processes import (
     WorkerProcess,
     free_port,
     kill_worker,
+    start_render,
     start_worker,
     stop_server,
 )

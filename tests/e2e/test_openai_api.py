@@ -15,9 +15,8 @@ from openai import OpenAI
 
 from shared.protocol import Encoder, Heartbeat, Hello, WorkerMessageDecoder, WorkerStats
 from shared.transport import make_dealer
-from tests.e2e.conftest import WorkerProcess
+from tests.helpers.processes import ServerProcess, WorkerProcess
 from tests.helpers.waiting import wait_until
-from tests.integration.conftest import ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -15,9 +15,14 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import start_render
 from tests.e2e.test_admission import MODEL, _body, _stream_in_background, assert_sigterm_drains
-from tests.helpers.processes import ServerProcess, WorkerProcess, spawn_server, stop_server
+from tests.helpers.processes import (
+    ServerProcess,
+    WorkerProcess,
+    spawn_server,
+    start_render,
+    stop_server,
+)
 from tests.helpers.waiting import wait_until
 
 _ACCESS = re.compile(r'\[(\d+)\] uvicorn\.access: \S+ - "(\w+) (\S+) HTTP/1\.1" 200')

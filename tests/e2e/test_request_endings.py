@@ -20,8 +20,15 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.e2e.conftest import running_render, start_render, start_worker
-from tests.helpers.processes import ServerProcess, WorkerProcess, stop_server, stop_worker
+from tests.helpers.processes import (
+    ServerProcess,
+    WorkerProcess,
+    running_render,
+    start_render,
+    start_worker,
+    stop_server,
+    stop_worker,
+)
 from tests.helpers.waiting import wait_until
 
 KEY_A, KEY_B = "key-tenant-a", "key-tenant-b"

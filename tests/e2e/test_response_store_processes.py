@@ -22,8 +22,14 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.e2e.conftest import running_render, start_render
-from tests.helpers.processes import ServerProcess, WorkerProcess, spawn_server, stop_server
+from tests.helpers.processes import (
+    ServerProcess,
+    WorkerProcess,
+    running_render,
+    spawn_server,
+    start_render,
+    stop_server,
+)
 from tests.helpers.redis import RedisServer, start_redis
 from tests.helpers.waiting import wait_until
 

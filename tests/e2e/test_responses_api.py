@@ -16,8 +16,7 @@ import jsonschema
 import pytest
 from openai import BadRequestError, NotFoundError, OpenAI
 
-from tests.e2e.conftest import WorkerProcess, running_render
-from tests.helpers.processes import ServerProcess
+from tests.helpers.processes import ServerProcess, WorkerProcess, running_render
 
 MODEL = "SmolLM2-135M-Instruct"
 ASK = "What is the capital of France?"

@@ -20,12 +20,9 @@ from render_server.worker_client.request_stream import RequestStream
 from shared.model_source import resolve_model
 from shared.protocol import Generate, WorkerStats
 from shared.sampling import SamplingParams
-from tests.e2e.conftest import WorkerProcess
 from tests.e2e.test_openai_api import _Heartbeats
+from tests.helpers.processes import SECURE_KEYS, ServerProcess, WorkerProcess
 from tests.helpers.waiting import wait_until
-from tests.integration.conftest import SECURE_KEYS, ServerProcess, secure_server
-
-__all__ = ["secure_server"]  # a fixture of this module too: the keyed server
 
 MODEL = "SmolLM2-135M-Instruct"
 VOCAB_SIZE = 49152

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import WorkerProcess, running_render
 from tests.e2e.test_scale_out_derender import (
     _comparable,
     _derender_stream,
@@ -20,7 +19,7 @@ from tests.e2e.test_scale_out_derender import (
     _sse,
 )
 from tests.e2e.test_scale_out_render import MESSAGES, WEATHER
-from tests.helpers.processes import ServerProcess
+from tests.helpers.processes import ServerProcess, WorkerProcess, running_render
 
 PARSERS = ["--chat-template", "chatml_tools", "--enable-auto-tool-choice"]
 PARSERS += ["--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]

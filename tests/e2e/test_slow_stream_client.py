@@ -20,8 +20,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import WorkerProcess, running_render
-from tests.helpers.processes import ServerProcess
+from tests.helpers.processes import ServerProcess, WorkerProcess, running_render
 from tests.helpers.waiting import wait_until
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -13,7 +13,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from tests.integration.conftest import ServerProcess
+from tests.helpers.processes import ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
 PERSON_QUESTION = [{"role": "user", "content": "Describe a person as JSON."}]

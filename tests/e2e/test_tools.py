@@ -11,8 +11,7 @@ import jsonschema
 import pytest
 from openai import OpenAI
 
-from tests.e2e.conftest import WorkerProcess, start_render
-from tests.integration.conftest import ServerProcess, stop_server
+from tests.helpers.processes import ServerProcess, WorkerProcess, start_render, stop_server
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {

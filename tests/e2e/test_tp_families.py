@@ -18,12 +18,12 @@ from openai import OpenAI
 
 from gpu_worker.engine.engine import Engine
 from shared.sampling import SamplingParams
-from tests.e2e.conftest import start_render
 from tests.helpers.processes import (
     WORKER_STARTUP_S,
     WorkerProcess,
     kill_worker,
     spawn_worker,
+    start_render,
     stop_server,
     stop_worker,
     wait_worker_ready,

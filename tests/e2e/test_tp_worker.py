@@ -15,9 +15,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import start_render
 from tests.e2e.test_faults import MAX_TOKENS, PROMPTS, chat_body, stream_chat
-from tests.helpers.processes import WorkerProcess, kill_worker, start_worker, stop_server
+from tests.helpers.processes import (
+    WorkerProcess,
+    kill_worker,
+    start_render,
+    start_worker,
+    stop_server,
+)
 
 TP2 = ["--tensor-parallel-size", "2", "--dist-timeout", "20"]
 

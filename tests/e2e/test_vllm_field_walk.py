@@ -18,7 +18,6 @@ import pytest
 
 from render_server.schemas.generation import ChatCompletionRequest, CompletionRequest
 from tests.e2e import test_structured_outputs, test_tools
-from tests.e2e.conftest import WorkerProcess, start_render
 from tests.e2e.vllm_field_checks import (
     CHAT,
     COMPLETIONS,
@@ -30,7 +29,7 @@ from tests.e2e.vllm_field_checks import (
     token_ids,
     vllm_checks,
 )
-from tests.integration.conftest import ServerProcess, stop_server
+from tests.helpers.processes import ServerProcess, WorkerProcess, start_render, stop_server
 
 # vLLM's request fields, from vllm/entrypoints/openai/protocol.py: ChatCompletionRequest
 # and CompletionRequest at vllm-project/vllm@ec3b890c14b0 (v0.11), plus the fields v0.10

@@ -14,8 +14,7 @@ from render_server.generation.metrics import (
     VLLM_REQUEST_LATENCY_BUCKETS,
     VLLM_TTFT_BUCKETS,
 )
-from tests.e2e.conftest import WorkerProcess
-from tests.helpers.processes import ServerProcess
+from tests.helpers.processes import ServerProcess, WorkerProcess
 from tests.helpers.waiting import wait_until
 
 MODEL = "SmolLM2-135M-Instruct"

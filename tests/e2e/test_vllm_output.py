@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 from openai import OpenAI
 
-from tests.integration.conftest import ServerProcess
+from tests.helpers.processes import ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
 HI = [{"role": "user", "content": "hi"}]

@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypedDict, Unpack
@@ -131,6 +131,21 @@ def stop_server(server: ServerProcess) -> None:
     _terminate(server.process, 15.0)
 
 
+SECURE_KEYS = ("test-key-one", "test-key-two")
+SECURE_ORIGIN = "http://allowed.test"
+SECURE_ROOT_PATH = "/api"
+SECURE_ARGS = [
+    "--render-only",
+    *[arg for key in SECURE_KEYS for arg in ("--api-key", key)],
+    "--allowed-origins",
+    SECURE_ORIGIN,
+    "--root-path",
+    SECURE_ROOT_PATH,
+]
+"""The keyed render-serve's flags (the `secure_server` fixture): two API keys, CORS for one
+origin and a root_path."""
+
+
 @dataclass
 class WorkerProcess:
     """A running gpu-worker and its ZMQ address."""
@@ -240,6 +255,25 @@ def kill_worker(worker: WorkerProcess) -> None:
     if worker.process.poll() is None:
         worker.process.kill()
         worker.process.wait(10)
+
+
+def start_render(
+    workers: list[str], log_path: Path, extra_args: list[str] | None = None
+) -> ServerProcess:
+    """render-serve over `workers`, waited for until /ready (a worker connected) says 200."""
+    args = [*(extra_args or []), *(arg for address in workers for arg in ("--worker", address))]
+    return start_server(args, log_path, ready_path="/ready")
+
+
+def running_render(
+    workers: list[WorkerProcess], directory: Path, extra_args: list[str] | None = None
+) -> Iterator[ServerProcess]:
+    """A fixture body: render-serve over `workers`, logging under `directory`, stopped at
+    teardown."""
+    addresses = [worker.address for worker in workers]
+    server = start_render(addresses, directory / "render.log", extra_args)
+    yield server
+    stop_server(server)
 
 
 def _terminate(process: subprocess.Popen[bytes], timeout_s: float) -> int:

@@ -1,8 +1,8 @@
 """Real `render-serve` processes on loopback, started once per test session.
 
 `render_server` runs with no keys and trusts request chat templates (with a short render
-deadline, for the hostile-template test); `secure_server` runs with two API keys, CORS for
-one origin and a root_path, for the security tests.
+deadline, for the hostile-template test); `secure_client` talks to tests/conftest.py's
+`secure_server` (two API keys, CORS for one origin and a root_path), for the security tests.
 """
 
 from __future__ import annotations
@@ -12,14 +12,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.helpers.processes import ServerProcess, free_port, start_server, stop_server
-
-# Re-exported: integration and e2e test modules import the process helpers from here.
-__all__ = ["ServerProcess", "free_port", "start_server", "stop_server"]
-
-SECURE_KEYS = ("test-key-one", "test-key-two")
-SECURE_ORIGIN = "http://allowed.test"
-SECURE_ROOT_PATH = "/api"
+from tests.helpers.processes import ServerProcess, start_server, stop_server
 
 
 @pytest.fixture(scope="session")
@@ -29,23 +22,6 @@ def render_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPr
     server = start_server(
         ["--render-only", "--trust-request-chat-template", "--render-deadline", "1.0"], log
     )
-    yield server
-    stop_server(server)
-
-
-@pytest.fixture(scope="session")
-def secure_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """render-serve with two API keys, CORS for SECURE_ORIGIN and root_path SECURE_ROOT_PATH."""
-    log = tmp_path_factory.mktemp("secure") / "render-serve.log"
-    args = [
-        "--render-only",
-        *[arg for key in SECURE_KEYS for arg in ("--api-key", key)],
-        "--allowed-origins",
-        SECURE_ORIGIN,
-        "--root-path",
-        SECURE_ROOT_PATH,
-    ]
-    server = start_server(args, log)
     yield server
     stop_server(server)
 

@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from tests.helpers.processes import ServerProcess
 from tests.helpers.waiting import wait_until
-from tests.integration.conftest import ServerProcess
 
 MAX_STALL_S = 0.1
 RENDER_DEADLINE_S = 1.0  # the render_server fixture's --render-deadline

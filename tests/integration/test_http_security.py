@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from render_server.settings import RenderSettings
-from tests.integration.conftest import SECURE_KEYS, SECURE_ORIGIN, ServerProcess
+from tests.helpers.processes import SECURE_KEYS, SECURE_ORIGIN, ServerProcess
 
 PROTECTED = ["/v1/models", "/tokenize", "/detokenize", "/metrics", "/docs", "/openapi.json"]
 # Raw request targets a path-normalizing client would rewrite; http.client sends them as-is.

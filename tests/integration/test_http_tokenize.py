@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.conftest import ServerProcess
+from tests.helpers.processes import ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = [

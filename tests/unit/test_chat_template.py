@@ -23,7 +23,7 @@ from render_server.templating.chat_template import (
     RequestTemplateNotAllowed,
 )
 from render_server.templating.tokenizer import Tokenizer
-from tests.conftest import DATA_DIR
+from tests.helpers.data import DATA_DIR
 
 CASES: list[dict[str, Any]] = json.loads((DATA_DIR / "chat_conversations.json").read_text())
 TEMPLATE_FILES = {"qwen2.5": "qwen2.5_instruct.jinja", "llama3.1": "llama3.1_instruct.jinja"}

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from render_server.generation import detokenizer
 from render_server.generation.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
 from render_server.templating.tokenizer import Tokenizer
-from tests.conftest import DATA_DIR
+from tests.helpers.data import DATA_DIR
 
 EXTRA = [
     "👨‍👩‍👧‍👦 family, 🏳️‍🌈 flag, 👍🏽 thumbs",

@@ -25,7 +25,7 @@ from render_server.http.app import build_state, create_app
 from render_server.settings import RenderSettings
 from render_server.templating.chat_template import ChatRenderer, ChatTemplateError
 from render_server.templating.tokenizer import Tokenizer
-from tests.conftest import DATA_DIR
+from tests.helpers.data import DATA_DIR
 from tests.unit.test_chat_template import CASES, _reference, _render
 
 TEMPLATE_FILES = {

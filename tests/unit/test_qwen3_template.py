@@ -13,7 +13,7 @@ from render_server.parsing.family_defaults import model_family
 from render_server.parsing.tool_choice import template_tool_parser
 from render_server.templating.chat_template import ChatRenderer, ChatTemplateError
 from render_server.templating.tokenizer import Tokenizer
-from tests.conftest import DATA_DIR
+from tests.helpers.data import DATA_DIR
 from tests.unit.test_chat_template import CASES, _reference, _render
 
 QWEN3 = (DATA_DIR / "templates" / "qwen3.jinja").read_text()

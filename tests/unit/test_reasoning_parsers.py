@@ -18,7 +18,7 @@ from render_server.parsing.reasoning import (
     UnknownReasoningParserError,
     get_reasoning_parser,
 )
-from tests.conftest import DATA_DIR
+from tests.helpers.data import DATA_DIR
 
 CASES: list[dict[str, Any]] = json.loads(
     (DATA_DIR / "parser_outputs" / "reasoning.json").read_text("utf-8")

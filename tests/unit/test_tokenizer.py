@@ -13,7 +13,7 @@ import pytest
 from render_server.templating.tokenizer import Tokenizer, TokenizerLoadError
 from shared.model_source import ModelSource, resolve_model
 from shared.tokenizer_digest import tokenizer_digest
-from tests.conftest import DATA_DIR
+from tests.helpers.data import DATA_DIR
 
 CORPUS: list[str] = json.loads((DATA_DIR / "tokenizer_corpus.json").read_text(encoding="utf-8"))
 SPECIAL_TEXT = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]

@@ -16,7 +16,7 @@ from render_server.schemas.errors import ApiError
 from render_server.templating.chat_template import ChatRenderer
 from render_server.templating.templates import read_chat_template, tools_template_for
 from render_server.templating.tokenizer import Tokenizer
-from tests.conftest import DATA_DIR
+from tests.helpers.data import DATA_DIR
 
 TOOLS: list[dict[str, Any]] = [
     {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}

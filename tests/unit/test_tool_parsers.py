@@ -31,7 +31,7 @@ from render_server.parsing.tool_parsers.json_scan import (
     JsonScanError,
     JsonValueScanner,
 )
-from tests.conftest import DATA_DIR
+from tests.helpers.data import DATA_DIR
 
 RECORDED = json.loads((DATA_DIR / "parser_outputs" / "tool_calls.json").read_text("utf-8"))
 TOOLS: list[dict[str, Any]] = RECORDED["tools"]

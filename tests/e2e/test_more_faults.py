@@ -25,7 +25,6 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-import zmq
 
 from shared.model_card import ModelCard
 from shared.protocol import (
@@ -42,6 +41,7 @@ from shared.protocol import (
 from shared.sampling import SamplingParams
 from tests.e2e.test_faults import MODEL, chat_body, stream_chat, two_workers_one_render
 from tests.e2e.test_openai_api import _Heartbeats
+from tests.helpers.fake_worker import FakeWorker
 from tests.helpers.processes import (
     ServerProcess,
     WorkerProcess,
@@ -310,36 +310,13 @@ def _garbage(rng: random.Random, samples: list[bytes]) -> list[bytes]:
     return [bytes(frame)]
 
 
-class _FakeWorker(threading.Thread):
-    """A ROUTER that answers every peer with garbage, as fast as it can send it."""
-
-    def __init__(self, seed: int) -> None:
-        super().__init__(daemon=True, name="fake-worker")
-        self.context = zmq.Context()
-        self.router = self.context.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 0)
-        port = self.router.bind_to_random_port("tcp://127.0.0.1")
-        self.address = f"tcp://127.0.0.1:{port}"
-        self.rng = random.Random(seed)
-        self.peers: set[bytes] = set()
-        self.sent = 0
-        self.stopping = threading.Event()
-        encoder = Encoder()
-        self.samples = [encoder.encode(message) for message in _WORKER_SAMPLES]
-
-    def run(self) -> None:
-        while not self.stopping.is_set():
-            while self.router.poll(0):
-                self.peers.add(self.router.recv_multipart()[0])
-            for peer in list(self.peers):
-                try:
-                    self.router.send_multipart([peer, *_garbage(self.rng, self.samples)])
-                    self.sent += 1
-                except zmq.ZMQError:
-                    pass
-            time.sleep(0.002)
-        self.router.close()
-        self.context.term()
+def _garbage_worker(seed: int) -> FakeWorker:
+    """A fake worker that never welcomes and answers every peer with garbage, a few hundred
+    messages a second."""
+    rng = random.Random(seed)
+    encoder = Encoder()
+    samples = [encoder.encode(message) for message in _WORKER_SAMPLES]
+    return FakeWorker(None, heartbeat_interval_s=None, noise=lambda: _garbage(rng, samples))
 
 
 class _NoiseServer(threading.Thread):
@@ -375,11 +352,11 @@ def test_garbage_from_a_worker_connection_does_not_stop_serving(
     pair, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     first, _, _ = pair
-    fake, noise = _FakeWorker(seed=7), _NoiseServer(seed=11)
+    fake, noise = _garbage_worker(seed=7), _NoiseServer(seed=11)
     fake.start()
     noise.start()
     log = tmp_path_factory.mktemp("garbage") / "render.log"
-    render = start_render([first.address, fake.address, noise.address], log)
+    render = start_render([first.address, fake.endpoint, noise.address], log)
     try:
         reference = _reference(render, PROMPTS[0], 12)
         wait_until(
@@ -396,15 +373,14 @@ def test_garbage_from_a_worker_connection_does_not_stop_serving(
             assert streamed["errors"] == []
             assert streamed["finish"] == "length"
             assert httpx.get(f"{render.base_url}/ready", timeout=5).status_code == 200
-        assert _worker_alive(render, fake.address) is False
+        assert _worker_alive(render, fake.endpoint) is False
         assert render.process.poll() is None
         assert "dropped a bad frame from worker" in render.log()
         assert "Traceback" not in render.log()
     finally:
         stop_server(render)
-        fake.stopping.set()
+        fake.stop()
         noise.stopping.set()
-        fake.join(5)
         noise.join(5)
 
 

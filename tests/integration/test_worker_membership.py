@@ -5,15 +5,9 @@ from __future__ import annotations
 
 from render_server.worker_client.pool import WorkerPool
 from shared.protocol import Deltas, RequestDelta
+from tests.helpers.fake_worker import FAKE_CARD, FakeWorker
 from tests.helpers.waiting import wait_until_async
-from tests.integration.test_workers_client import (
-    FAKE_CARD,
-    collect,
-    fake_worker,
-    greedy,
-    run,
-    tokens,
-)
+from tests.integration.test_workers_client import collect, greedy, run, tokens
 
 
 def _pool(addresses: list[str]) -> WorkerPool:
@@ -27,7 +21,7 @@ def _pool(addresses: list[str]) -> WorkerPool:
 
 
 def test_workers_join_and_a_removed_one_drains() -> None:
-    with fake_worker() as a, fake_worker() as b:
+    with FakeWorker() as a, FakeWorker() as b:
 
         async def main() -> None:
             pool = _pool([a.endpoint])
@@ -86,7 +80,7 @@ def test_workers_join_and_a_removed_one_drains() -> None:
 
 
 def test_a_draining_worker_listed_again_stays() -> None:
-    with fake_worker() as a, fake_worker() as b:
+    with FakeWorker() as a, FakeWorker() as b:
 
         async def main() -> None:
             pool = _pool([a.endpoint, b.endpoint])
@@ -110,7 +104,7 @@ def test_a_draining_worker_listed_again_stays() -> None:
 
 
 def test_an_empty_pool_is_not_ready_until_a_worker_is_added() -> None:
-    with fake_worker() as a:
+    with FakeWorker() as a:
 
         async def main() -> None:
             pool = _pool([])

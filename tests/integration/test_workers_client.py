@@ -10,10 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import queue
 import signal
 import subprocess
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Iterator
@@ -24,22 +22,19 @@ import pytest
 import zmq
 
 from render_server.worker_client.pool import RequestStream, WorkerError, WorkerPool
-from shared.model_card import ModelCard
 from shared.protocol import (
     MAGIC,
     Deltas,
     Encoder,
     Generate,
-    Heartbeat,
     Hello,
-    RenderMessageDecoder,
     RequestDelta,
     Welcome,
     WorkerMessageDecoder,
-    WorkerStats,
 )
 from shared.sampling import SamplingParams
-from shared.transport import bound_endpoint, make_dealer
+from shared.transport import make_dealer
+from tests.helpers.fake_worker import FAKE_CARD, FakeWorker
 from tests.helpers.processes import (
     SMALL_WORKER,
     WorkerProcess,
@@ -390,83 +385,7 @@ def test_stopped_worker_is_lost_then_comes_back(workers: Workers, digest: str) -
     run(main())
 
 
-# ---- a fake worker --------------------------------------------------------------------
-
-FAKE_CARD = ModelCard(
-    model_id="fake",
-    tokenizer_digest="f" * 64,
-    vocab_size=1000,
-    eos_token_ids=[2],
-    max_model_len=4096,
-)
-
-
-class FakeWorker(threading.Thread):
-    """A ROUTER that answers Hello (after sending `before_welcome` raw), heartbeats every
-    0.2 s, records what it receives, and sends any raw frames the test queues."""
-
-    def __init__(
-        self, before_welcome: list[list[bytes]] | None = None, bind: str = "tcp://127.0.0.1:*"
-    ) -> None:
-        super().__init__(daemon=True)
-        self.context = zmq.Context()
-        self.router = self.context.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # as shared.transport.make_router
-        self.router.bind(bind)
-        self.endpoint = bound_endpoint(self.router)
-        self.before_welcome = before_welcome or []
-        self.request_ids: list[str] = []
-        """Of every Generate received, in order."""
-        self.outbox: queue.Queue[list[bytes]] = queue.Queue()
-        self.stopping = threading.Event()
-
-    def send(self, message: object) -> None:
-        """Queue a message for the connected client (from any thread)."""
-        self.outbox.put([Encoder().encode(message)])
-
-    def run(self) -> None:
-        decoder = RenderMessageDecoder()
-        encoder = Encoder()
-        peer: bytes | None = None
-        next_beat = 0.0
-        while not self.stopping.is_set():
-            if self.router.poll(10):
-                peer, frame = self.router.recv_multipart()
-                message = decoder.decode(frame)
-                if isinstance(message, Generate):
-                    self.request_ids.append(message.request_id)
-                if isinstance(message, Hello):
-                    for frames in self.before_welcome:
-                        self.router.send_multipart([peer, *frames])
-                    self.before_welcome = []
-                    welcome = Welcome(worker_id="fake", model_card=FAKE_CARD)
-                    self.router.send_multipart([peer, encoder.encode(welcome)])
-            if peer is None:
-                continue
-            while not self.outbox.empty():
-                self.router.send_multipart([peer, *self.outbox.get()])
-            if time.monotonic() >= next_beat:
-                next_beat = time.monotonic() + 0.2
-                beat = Heartbeat(sent_at=time.time(), stats=WorkerStats())
-                self.router.send_multipart([peer, encoder.encode(beat)])
-        self.router.close(linger=0)
-        self.context.term()
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self.join(timeout=5)
-
-
-@contextlib.contextmanager
-def fake_worker(
-    before_welcome: list[list[bytes]] | None = None, bind: str = "tcp://127.0.0.1:*"
-) -> Iterator[FakeWorker]:
-    fake = FakeWorker(before_welcome, bind)
-    fake.start()
-    try:
-        yield fake
-    finally:
-        fake.stop()
+# ---- against a fake worker (tests/helpers/fake_worker) -------------------------------
 
 
 def test_garbage_frames_are_counted_not_fatal() -> None:
@@ -477,14 +396,14 @@ def test_garbage_frames_are_counted_not_fatal() -> None:
         [MAGIC + b"\x01\xc1"],
         [b"two", b"frames"],
     ]
-    with fake_worker(before_welcome=garbage) as fake:
+    with FakeWorker(before_welcome=garbage) as fake:
 
         async def main() -> None:
             async with started_pool([fake.endpoint], FAKE_CARD.tokenizer_digest) as pool:
                 assert pool.bad_frames == len(garbage)
                 assert pool.is_ready()
                 assert pool.model_card == FAKE_CARD
-                fake.outbox.put([b"more garbage"])
+                fake.send_raw([b"more garbage"])
                 await wait_until_async(
                     lambda: pool.bad_frames == len(garbage) + 1, 2, "the late frame"
                 )
@@ -494,7 +413,7 @@ def test_garbage_frames_are_counted_not_fatal() -> None:
 
 
 def test_deltas_queued_behind_a_slow_consumer_arrive_merged() -> None:
-    with fake_worker() as fake:
+    with FakeWorker() as fake:
 
         async def main() -> None:
             async with started_pool([fake.endpoint], FAKE_CARD.tokenizer_digest) as pool:
@@ -518,7 +437,7 @@ def test_deltas_queued_behind_a_slow_consumer_arrive_merged() -> None:
 
 def test_a_restarted_worker_is_greeted_again() -> None:
     async def main() -> None:
-        with fake_worker() as first:
+        with FakeWorker() as first:
             address = first.endpoint
             pool = WorkerPool(
                 [address],
@@ -531,7 +450,7 @@ def test_a_restarted_worker_is_greeted_again() -> None:
             await wait_until_async(
                 lambda: not pool.is_ready(), 2, "the stopped worker to be marked dead"
             )
-            with fake_worker(bind=address) as second:  # a new process: it never saw our Hello
+            with FakeWorker(bind=address) as second:  # a new process: it never saw our Hello
                 await wait_until_async(pool.is_ready, 3, "the restarted worker to welcome us")
                 stream = await pool.submit(greedy("after-restart"))
                 await wait_until_async(

@@ -1,7 +1,7 @@
 """LoRA in the render tier's worker pool: routing by the adapters each worker's heartbeat
 reports, the loads a welcome triggers, and runtime load/unload across workers.
 
-The workers are fake: each is a ROUTER in a thread that welcomes with a LoRA-enabled card,
+The workers are fake (tests/helpers/fake_worker): each welcomes with a LoRA-enabled card,
 heartbeats the adapters the test gives it, and answers LoadLoRA/UnloadLoRA as told. The
 pure policy (`adapter_holders`) is tested without sockets.
 """
@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 import pytest
-import zmq
 
 from render_server.worker_client.lora import LoRAModule, parse_lora_module
 from render_server.worker_client.pool import WorkerPool
@@ -28,19 +26,15 @@ from render_server.worker_client.routing import (
 )
 from shared.model_card import ModelCard
 from shared.protocol import (
-    Encoder,
     Generate,
-    Heartbeat,
-    Hello,
     LoadLoRA,
     LoRAResult,
-    RenderMessageDecoder,
+    RenderToWorker,
     UnloadLoRA,
-    Welcome,
     WorkerStats,
 )
 from shared.sampling import SamplingParams
-from shared.transport import bound_endpoint
+from tests.helpers.fake_worker import FakeWorker, fake_workers
 from tests.helpers.waiting import wait_until_async
 
 CARD = ModelCard(
@@ -107,12 +101,12 @@ def test_lora_module_forms() -> None:
 # ---- the pool, against fake workers ---------------------------------------------------
 
 
-class FakeLoRAWorker(threading.Thread):
-    """A ROUTER that welcomes with `CARD`, heartbeats the adapters it registers and holds
-    resident every 0.1 s, records Generates and LoRA operations, and answers each operation
-    with `answer(operation)`: (status, message), or None to stay silent. A 200 changes what
-    it registers, as a worker's would, unless `reports_changes` is off (its heartbeats
-    then stay as stale as a heartbeat sent just before the change)."""
+class FakeLoRAWorker(FakeWorker):
+    """A fake worker that welcomes with `CARD`, heartbeats the adapters it registers and
+    holds resident every 0.1 s, and answers each LoRA operation with `answer(operation)`:
+    (status, message), or None to stay silent. A 200 changes what it registers, as a
+    worker's would, unless `reports_changes` is off (its heartbeats then stay as stale as a
+    heartbeat sent just before the change)."""
 
     def __init__(
         self,
@@ -121,75 +115,33 @@ class FakeLoRAWorker(threading.Thread):
         answer: Callable[[LoadLoRA | UnloadLoRA], tuple[int, str] | None] = lambda _: (200, "ok"),
         reports_changes: bool = True,
     ) -> None:
-        super().__init__(daemon=True)
+        super().__init__(CARD, heartbeat_interval_s=0.1)
         self.registered = list(registered or [])
         self.resident = list(resident or [])
         self.answer = answer
         self.reports_changes = reports_changes
-        self.generates: list[Generate] = []
-        self.operations: list[LoadLoRA | UnloadLoRA] = []
-        self.context = zmq.Context()
-        self.router = self.context.socket(zmq.ROUTER)
-        self.router.bind("tcp://127.0.0.1:*")
-        self.endpoint = bound_endpoint(self.router)
-        self.stopping = threading.Event()
 
-    def _operate(self, operation: LoadLoRA | UnloadLoRA) -> LoRAResult | None:
-        self.operations.append(operation)
-        answer = self.answer(operation)
+    @property
+    def operations(self) -> list[LoadLoRA | UnloadLoRA]:
+        """The LoRA operations received, in order."""
+        return [m for m in self.received if isinstance(m, LoadLoRA | UnloadLoRA)]
+
+    def reply(self, message: RenderToWorker) -> LoRAResult | None:
+        if not isinstance(message, LoadLoRA | UnloadLoRA):
+            return None
+        answer = self.answer(message)
         if answer is None:
             return None
         status, text = answer
-        name = operation.lora_name
         if status == 200 and self.reports_changes:
-            if isinstance(operation, LoadLoRA):
-                self.registered.append(name)
+            if isinstance(message, LoadLoRA):
+                self.registered.append(message.lora_name)
             else:
-                self.registered.remove(name)
-        return LoRAResult(op_id=operation.op_id, ok=status == 200, status=status, message=text)
+                self.registered.remove(message.lora_name)
+        return LoRAResult(op_id=message.op_id, ok=status == 200, status=status, message=text)
 
-    def run(self) -> None:
-        decoder = RenderMessageDecoder()
-        encoder = Encoder()
-        peer: bytes | None = None
-        next_beat = 0.0
-        while not self.stopping.is_set():
-            if self.router.poll(10):
-                peer, frame = self.router.recv_multipart()
-                message = decoder.decode(frame)
-                if isinstance(message, Hello):
-                    welcome = Welcome(worker_id="fake", model_card=CARD)
-                    self.router.send_multipart([peer, encoder.encode(welcome)])
-                elif isinstance(message, Generate):
-                    self.generates.append(message)
-                elif isinstance(message, LoadLoRA | UnloadLoRA):
-                    result = self._operate(message)
-                    if result is not None:
-                        self.router.send_multipart([peer, encoder.encode(result)])
-            if peer is not None and time.monotonic() >= next_beat:
-                next_beat = time.monotonic() + 0.1
-                stats = WorkerStats(
-                    lora_registered=list(self.registered), lora_resident=list(self.resident)
-                )
-                beat = Heartbeat(sent_at=time.time(), stats=stats)
-                self.router.send_multipart([peer, encoder.encode(beat)])
-        self.router.close(linger=0)
-        self.context.term()
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self.join(timeout=5)
-
-
-@contextlib.contextmanager
-def fake_workers(*workers: FakeLoRAWorker) -> Iterator[tuple[FakeLoRAWorker, ...]]:
-    for worker in workers:
-        worker.start()
-    try:
-        yield workers
-    finally:
-        for worker in workers:
-            worker.stop()
+    def stats(self) -> WorkerStats:
+        return WorkerStats(lora_registered=list(self.registered), lora_resident=list(self.resident))
 
 
 @contextlib.asynccontextmanager

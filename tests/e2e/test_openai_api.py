@@ -21,6 +21,7 @@ from tests.helpers.waiting import wait_until
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 HAIKU = [{"role": "user", "content": "Write a short poem about the sea."}]
+BLOCK_SIZE = 16  # the session's workers run the default --block-size
 
 
 def _tokenize_chat(server: ServerProcess, messages: list[dict]) -> list[int]:
@@ -42,7 +43,15 @@ def test_chat_non_streaming(client: OpenAI, render: ServerProcess) -> None:
     usage = reply.usage
     assert usage.prompt_tokens == len(_tokenize_chat(render, QUESTION))
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-    assert usage.prompt_tokens_details.cached_tokens >= 0
+    # The same chat again: the same reply, its prompt's full blocks before the last token
+    # (recomputed for its logits) served from the prefix cache.
+    again = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=24, temperature=0
+    )
+    assert again.choices[0].message.content == choice.message.content
+    full_blocks = (usage.prompt_tokens - 1) // BLOCK_SIZE
+    assert full_blocks >= 1
+    assert again.usage.prompt_tokens_details.cached_tokens == full_blocks * BLOCK_SIZE
 
 
 def test_chat_streaming_matches_non_streaming(client: OpenAI) -> None:
@@ -324,7 +333,8 @@ def test_bad_requests_are_400_naming_the_field(client: OpenAI, fields: dict, par
         client.chat.completions.create(**body)
     error = info.value.body
     assert error["param"] == param, error
-    assert param in error["message"] or error["type"] == "invalid_request_error"
+    assert error["type"] == "invalid_request_error"
+    assert param in error["message"], error
 
 
 def test_unknown_extra_fields_are_ignored(client: OpenAI) -> None:

@@ -4,6 +4,8 @@ dashboards and the Gateway API Inference Extension / llm-d scorers read."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
@@ -14,7 +16,7 @@ from render_server.generation.metrics import (
     VLLM_REQUEST_LATENCY_BUCKETS,
     VLLM_TTFT_BUCKETS,
 )
-from tests.helpers.processes import ServerProcess, WorkerProcess
+from tests.helpers.processes import DEFAULT_HEARTBEAT_INTERVAL_S, ServerProcess, WorkerProcess
 from tests.helpers.waiting import wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -31,6 +33,7 @@ WORKER_GAUGES = [
     "vllm:kv_cache_usage_perc",
 ]
 WORKER_COUNTERS = ["vllm:prefix_cache_queries", "vllm:prefix_cache_hits"]
+BLOCK_SIZE = 16  # the session's workers run the default --block-size
 
 
 def _scrape(render: ServerProcess) -> dict[str, tuple[str, list[Sample]]]:
@@ -109,20 +112,33 @@ def test_render_exports_vllm_names_with_vllm_units_and_buckets(
     assert _value(after, "vllm:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", **worker) <= 1
     for name in WORKER_COUNTERS:
         assert after[name][0] == "counter", name
-        assert _value(after, name, f"{name}_total", **worker) >= 0, name
 
-    # The worker's prefix-cache counters move with its heartbeats: the same prompt again
-    # is a lookup of at least its own length.
-    queries = _value(
-        after, "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total", **worker
-    )
-    client.completions.create(model=MODEL, prompt=[1, 2, 3] * 12, max_tokens=1)
+    def prefix_cache(families: dict) -> tuple[float, float]:
+        """The worker's (queries, hits), in tokens."""
+        queries, hits = (_value(families, n, f"{n}_total", **worker) for n in WORKER_COUNTERS)
+        return queries, hits
 
-    def counted() -> bool:
-        now = _scrape(render)
-        return (
-            _value(now, "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total", **worker)
-            >= queries + 36
-        )
+    def settled() -> tuple[float, float] | None:
+        """The counters once no heartbeat changes them: nothing admitted goes uncounted."""
+        first = prefix_cache(_scrape(render))
+        time.sleep(2.5 * DEFAULT_HEARTBEAT_INTERVAL_S)
+        return first if prefix_cache(_scrape(render)) == first else None
 
-    wait_until(counted, 30, "the worker's prefix cache queries after a heartbeat")
+    # The counters move with the worker's heartbeats. A prompt no other test sends, twice:
+    # two lookups of its length, and the second hits every full block before its last
+    # token (recomputed for its logits).
+    queries, hits = wait_until(settled, 30, "the worker's prefix cache counters to settle")
+    assert hits <= queries
+    prompt = list(range(2000, 2036))
+    replies = [
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1) for _ in range(2)
+    ]
+    length = replies[0].usage.prompt_tokens
+    expected = (queries + 2 * length, hits + (length - 1) // BLOCK_SIZE * BLOCK_SIZE)
+    assert expected[1] > hits
+
+    def counted() -> tuple[float, float] | None:
+        now = prefix_cache(_scrape(render))
+        return now if now[0] >= expected[0] else None
+
+    assert wait_until(counted, 30, "the worker's prefix cache lookups") == expected

@@ -29,6 +29,9 @@ from tests.helpers.processes import SMALL_WORKER, start_worker, stop_worker
 from tests.helpers.waiting import wait_until
 
 PROMPT = [1, 4093, 198, 2683, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+BLOCK_SIZE = 16  # the worker's default --block-size, as its Welcome says
+# Two full blocks and a tail, and no other test's prefix: a repeat finds exactly 32 tokens.
+CACHEABLE_PROMPT = list(range(1000, 1040))
 STARTUP_TIMEOUT_S = 180
 
 
@@ -96,30 +99,36 @@ def client(worker: str) -> Iterator[Client]:
     c.send(Hello(client_id="test"))
     welcome = c.recv_until(Welcome)
     assert welcome.model_card.vocab_size == 49152
+    assert welcome.model_card.block_size == BLOCK_SIZE
     yield c
     c.close()
 
 
-def _generate(request_id: str, max_tokens: int = 12, **sampling: object) -> Generate:
+def _generate(
+    request_id: str, max_tokens: int = 12, prompt: list[int] = PROMPT, **sampling: object
+) -> Generate:
     return Generate(
         request_id=request_id,
-        prompt_token_ids=PROMPT,
+        prompt_token_ids=prompt,
         sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens, **sampling),
     )
 
 
 def test_handshake_and_streamed_greedy_deltas(client: Client) -> None:
-    client.send(_generate("a"))
+    client.send(_generate("a", prompt=CACHEABLE_PROMPT))
     deltas = client.collect("a")
     tokens = [t for d in deltas for t in d.new_token_ids]
     assert 1 <= len(tokens) <= 12
     assert deltas[-1].finish_reason in ("stop", "length")
-    assert deltas[-1].num_prompt_tokens == len(PROMPT)
-    # greedy is deterministic, and the second run hits the prefix cache
-    client.send(_generate("b"))
+    assert deltas[-1].num_prompt_tokens == len(CACHEABLE_PROMPT)
+    assert deltas[-1].num_cached_tokens == 0
+    # Greedy is deterministic, and the second run hits the prefix cache: every full block
+    # before its last prompt token (computed again for its logits).
+    client.send(_generate("b", prompt=CACHEABLE_PROMPT))
     again = client.collect("b")
     assert [t for d in again for t in d.new_token_ids] == tokens
-    assert again[-1].num_cached_tokens >= 0
+    full_blocks = (len(CACHEABLE_PROMPT) - 1) // BLOCK_SIZE
+    assert again[-1].num_cached_tokens == full_blocks * BLOCK_SIZE == 32
 
 
 def test_heartbeat_reports_idle_cache_after_abort(client: Client) -> None:

@@ -4,11 +4,12 @@
         [--max-output 128] [--repeats 2] [--kv-cache-gb 8] [--device cpu]
 
 For each model, three engines load once, one with decode CUDA graphs, one with
-`enforce_eager=True` and one with graphs and `async_scheduling=True`, each with an explicit KV cache (sized from free memory, the first would
-leave the second none). At each concurrency C a closed-loop client keeps C requests in flight,
-submitting the next prompt as one finishes, as C users of a server would: bench/engine.py's
-chat prompts (100-150 tokens), outputs uniform over 16..--max-output with ignore_eos, greedy;
-2 prompts at C=1 and 2C above. The two engines take turns, so drift hits both alike.
+`enforce_eager=True` and one with graphs and `async_scheduling=True`, each with an explicit
+KV cache (sized from free memory, the first would leave the others none). At each
+concurrency C a closed-loop client keeps C requests in flight, submitting the next prompt
+as one finishes, as C users of a server would: bench/engine.py's chat prompts (100-150
+tokens), outputs uniform over 16..--max-output with ignore_eos, greedy; 2 prompts at C=1
+and 2C above. The engines take turns, so drift hits them alike.
 
 Models: `smollm2` is whatever `resolve_model` finds for the built-in model (on the device,
 bench/gpu_check.sh's random-weight stand-in at SmolLM2-135M's shapes and quantization);

@@ -7,8 +7,8 @@ token (the sampler's decisions and its Python run as usual, its arithmetic on 64
 columns), and the step's sampled ids are readable only once the "device" has run the step
 for `device_ms`, counted from when it was launched or from when the step before it ended,
 whichever is later. Reading them is the host's only wait (`SampledTokens.host_ids`, a
-spin, as CUDA's), as on CUDA. Everything else is the engine's real host work: scheduling, the batch layout and
-its upload, the sampler, the update and the deltas.
+spin, as CUDA's). Everything else is the engine's real host work: scheduling, the batch
+layout and its upload, the sampler, the update and the deltas.
 
 A run puts `batch` requests through their prefill, then times `steps` decode steps of all
 of them at once. The device is busy `steps x device_ms` of that; the rest of the wall time

@@ -301,13 +301,14 @@ the spread is the thread count's summation order)."""
 
 @pytest.mark.slow
 def test_smollm2_logits_and_greedy_stay_close() -> None:
-    """1000 tokens of context, 300 teacher-forced decode steps, then free-running greedy
-    decodes of three prompts (measured: every token equal for both dtypes)."""
+    """1000 tokens of context, 150 teacher-forced decode steps, then 32 free-running
+    greedy tokens of three prompts (measured over 300 steps and 64 tokens: every token
+    equal for both dtypes; halved to keep the suite's longest test near a minute)."""
     from render_server.templating.tokenizer import Tokenizer
     from shared.model_source import DEFAULT_MODEL, resolve_model
 
     text = README.read_text()
-    tokens = Tokenizer.from_source(resolve_model(DEFAULT_MODEL)).encode(text)[:1300]
+    tokens = Tokenizer.from_source(resolve_model(DEFAULT_MODEL)).encode(text)[:1150]
     engines = {
         name: Engine(device="cpu", kv_cache_memory_gb=0.1, kv_cache_dtype=name, max_num_seqs=4)
         for name in ("auto", *SIXTEEN_BIT)
@@ -317,8 +318,8 @@ def test_smollm2_logits_and_greedy_stay_close() -> None:
         for name, (relative, same_top) in errors.items():
             assert relative < SMOLLM2_BOUNDS[name], name
             assert same_top >= 0.97, name  # measured 0.997 (bf16) and 1.0 (fp16)
-        params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-        prompts = [tokens[:300], tokens[200:900], tokens[400:1200]]
+        params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+        prompts = [tokens[:300], tokens[200:900], tokens[400:1100]]
         want = [c.token_ids for c in engines["auto"].generate(prompts, params)]
         for name in SIXTEEN_BIT:
             got = [c.token_ids for c in engines[name].generate(prompts, params)]

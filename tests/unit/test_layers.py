@@ -51,6 +51,8 @@ ALLOWED: dict[str, set[str]] = {
     },
     "render_server.parsing": {"render_server.schemas", "shared"},
     "render_server.templating": {"shared"},
+    # Images: fetched safely, decoded and processed for the model (third-party libs below).
+    "render_server.multimodal": {"shared"},
     "render_server.worker_client": {"shared"},
     "render_server.store": {"shared"},
     "render_server.schemas": {"shared"},

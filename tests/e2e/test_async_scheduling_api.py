@@ -86,7 +86,19 @@ def _chat(client: openai.OpenAI, prompt: str, **options: Any) -> list[tuple[Any,
             ]
         extra = choice.model_extra or {}
         out.append((choice.message.content, extra["token_ids"], choice.finish_reason, logprobs))
-    return out
+    assert completion.usage is not None
+    return [(*reply, completion.usage.completion_tokens) for reply in out]
+
+
+def _cached_tokens(client: openai.OpenAI, prompt: str) -> int:
+    """A greedy reply's cached prompt tokens (when the prefix cache held some of it; which
+    choice of n > 1 finds the other's blocks depends on timing, so only n = 1 here)."""
+    completion = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=8, temperature=0
+    )
+    assert completion.usage is not None
+    details = completion.usage.prompt_tokens_details
+    return 0 if details is None or details.cached_tokens is None else details.cached_tokens
 
 
 REQUESTS: list[tuple[str, dict[str, Any]]] = [
@@ -95,6 +107,8 @@ REQUESTS: list[tuple[str, dict[str, Any]]] = [
     ("Name three colours.", {"temperature": 0, "logprobs": True, "top_logprobs": 3}),
     ("Count from one to twenty in words.", {"temperature": 0, "stop": ["five"]}),
     ("Write a haiku.", {"temperature": 1.0, "seed": 11, "n": 2}),
+    # Penalties: these steps run in order, beside the overlapped ones of other requests.
+    ("Name ten animals.", {"temperature": 0, "frequency_penalty": 0.8, "presence_penalty": 0.3}),
     (
         "Give me a person as JSON.",
         {
@@ -122,11 +136,18 @@ def test_each_request_gets_the_same_answer(clients: dict[str, openai.OpenAI]) ->
         want = _chat(clients["in_order"], prompt, **dict(options))
         got = _chat(clients["async"], prompt, **dict(options))
         assert got == want, prompt
-    [(text, _, _, _)] = _chat(clients["async"], REQUESTS[3][0], **dict(REQUESTS[3][1]))
+    [(text, *_)] = _chat(clients["async"], REQUESTS[3][0], **dict(REQUESTS[3][1]))
     assert "five" not in text
-    [(person, _, finish, _)] = _chat(clients["async"], REQUESTS[5][0], **dict(REQUESTS[5][1]))
+    [(person, _, finish, *_)] = _chat(clients["async"], REQUESTS[6][0], **dict(REQUESTS[6][1]))
     if finish == "stop":
         assert set(json.loads(person)) >= {"name", "age"}
+
+
+def test_a_repeated_prompt_hits_the_prefix_cache_alike(clients: dict[str, openai.OpenAI]) -> None:
+    prompt = "Summarize the plot of a long adventure novel about sailors. " * 6
+    cached = {name: [_cached_tokens(clients[name], prompt) for _ in range(2)] for name in MODES}
+    assert cached["async"] == cached["in_order"]
+    assert cached["async"][1] > cached["async"][0]
 
 
 def test_concurrent_requests_overlap_and_match(clients: dict[str, openai.OpenAI]) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from render_server.multimodal.image_decode import to_rgb
 from render_server.multimodal.image_processing import (
     ImageProcessor,
     ImageProcessorConfigError,
@@ -25,7 +26,6 @@ from render_server.multimodal.image_processing import (
     option,
     pixel_options,
     resampling,
-    to_rgb,
 )
 
 # transformers' IMAGENET_STANDARD_MEAN / _STD, the class defaults.

@@ -59,10 +59,13 @@ def decode_image(data: bytes, max_image_pixels: int) -> Image.Image:
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
-    """`image` in RGB; transparency composited over white, as transformers does."""
+    """`image` in RGB; transparency composited over white, as transformers'
+    `convert_to_rgb` does. The image processors apply it too, whatever `do_convert_rgb`
+    says: every encoder here takes three channels."""
     if image.mode == "RGB":
         return image
-    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info:
+    with_alpha = image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "A" in image.getbands()
+    if with_alpha or "transparency" in image.info:
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (*ALPHA_BACKGROUND, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")

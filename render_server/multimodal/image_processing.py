@@ -126,19 +126,6 @@ def resampling(value: Any, default: Image.Resampling) -> Image.Resampling:
         raise ImageProcessorConfigError(f"unknown resample filter {value!r}") from None
 
 
-def to_rgb(image: Image.Image) -> Image.Image:
-    """`image` in RGB, transparency composited over white: transformers' `convert_to_rgb`.
-
-    Applied whatever `do_convert_rgb` says: every encoder here takes three channels, and
-    transformers without the conversion fails on other images rather than processing them.
-    """
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
-    return image if image.mode == "RGB" else image.convert("RGB")
-
-
 def content_hash(family: str, options: Mapping[str, Any], resized: npt.NDArray[np.uint8]) -> str:
     """The hash of an image's processed pixels.
 

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from render_server.multimodal.image_decode import to_rgb
 from render_server.multimodal.image_processing import (
     ImageProcessor,
     ImageProcessorConfigError,
@@ -26,7 +27,6 @@ from render_server.multimodal.image_processing import (
     option,
     pixel_options,
     resampling,
-    to_rgb,
 )
 
 # transformers' OPENAI_CLIP_MEAN / OPENAI_CLIP_STD, the class defaults.

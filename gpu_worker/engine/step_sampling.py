@@ -31,9 +31,13 @@ class LaunchedStep:
     """Their sampled ids, on the device and on their way to the host; None without any."""
     verified: dict[str, list[int]]
     """The tokens each item with drafts keeps (verification's result, on the host)."""
-    needs_host_tokens: bool
-    """A sequence of it samples its next token from its tokens on the host (a grammar,
-    penalties, bad_words): the next step cannot be scheduled before this one's update."""
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """A sequence of it samples its next token from its tokens on the host (a grammar,
+        penalties, bad_words): the next step cannot be scheduled before this one's update.
+        Asked only under async scheduling, so in-order steps never pay for it."""
+        return any(_samples_from_host_tokens(item.seq) for item in self.plain_items)
 
 
 def launch_sampling(
@@ -75,8 +79,7 @@ def launch_sampling(
     if drafted_items:
         assert speculator is not None, "only a speculator drafts"
         verified = speculator.verify(logits, drafted_rows, drafted_items)
-    needs_host = any(_samples_from_host_tokens(item.seq) for item in plain_items)
-    return LaunchedStep(output, started, plain_items, tokens, verified, needs_host)
+    return LaunchedStep(output, started, plain_items, tokens, verified)
 
 
 def _samples_from_host_tokens(seq: Sequence) -> bool:

@@ -159,13 +159,8 @@ class Scheduler:
             seq = self.requests.get(request_id)
             if seq is None:
                 continue
-            if seq.status == SequenceStatus.RUNNING:
-                self.running.remove(seq)
-                self._left_running.append(request_id)
-            else:
-                self.waiting.remove(seq)
             seq.finish(reason)
-            self._release(seq)
+            self._leave(seq)
             finished.append(seq)
         return finished
 
@@ -280,8 +275,8 @@ class Scheduler:
         return changed
 
     def _leave(self, seq: Sequence) -> None:
-        """A sequence `update` finished leaves its queue (waiting when it was preempted
-        with a token in flight) and frees its blocks."""
+        """A finished sequence leaves its queue (waiting when it had not started, or was
+        preempted with a token in flight) and frees its blocks."""
         if seq in self.running:
             self.running.remove(seq)
             self._left_running.append(seq.request_id)
